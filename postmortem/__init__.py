@@ -1,0 +1,1 @@
+"""What-if post-mortem of a training job's trace: how much time stragglers cost, and why."""
