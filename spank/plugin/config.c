@@ -1,0 +1,228 @@
+/*
+ * Parsing of both configuration channels. Pure string handling: no Slurm calls, so it
+ * can be exercised alone.
+ */
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "greyhound.h"
+
+#define GH_OPTION_KEYS "mode, trace, report"
+
+static int parse_bool(const char *value)
+{
+	if (!strcmp(value, "1") || !strcmp(value, "on") || !strcmp(value, "true") ||
+	    !strcmp(value, "yes") || !strcmp(value, "y"))
+		return 1;
+	if (!strcmp(value, "0") || !strcmp(value, "off") || !strcmp(value, "false") ||
+	    !strcmp(value, "no") || !strcmp(value, "n"))
+		return 0;
+	return -1;
+}
+
+static int valid_mode(const char *value)
+{
+	return !strcmp(value, "detect") || !strcmp(value, "mitigate");
+}
+
+static int copy_string(char *dst, size_t dst_len, const char *src)
+{
+	int n = snprintf(dst, dst_len, "%s", src);
+
+	return (n < 0 || (size_t)n >= dst_len) ? -1 : 0;
+}
+
+/* --- admin configuration: plugstack.conf arguments ----------------------------- */
+
+void gh_config_defaults(struct gh_config *config)
+{
+	memset(config, 0, sizeof(*config));
+	config->default_on = 0;
+	strcpy(config->mode, "detect");
+	strcpy(config->prefix, "/usr/local");
+	strcpy(config->rundir, "/var/tmp/greyhound");
+}
+
+enum config_key { KEY_DEFAULT, KEY_MODE, KEY_PREFIX, KEY_RUNDIR };
+
+static const struct {
+	const char *name;
+	enum config_key key;
+} config_keys[] = {
+	{ "default", KEY_DEFAULT },
+	{ "mode", KEY_MODE },
+	{ "prefix", KEY_PREFIX },
+	{ "rundir", KEY_RUNDIR },
+};
+
+int gh_config_parse(struct gh_config *config, int ac, char **av)
+{
+	for (int i = 0; i < ac; i++) {
+		const char *eq = strchr(av[i], '=');
+		size_t key_len = eq ? (size_t)(eq - av[i]) : 0;
+		const char *value = eq ? eq + 1 : NULL;
+		size_t k;
+
+		for (k = 0; k < sizeof(config_keys) / sizeof(config_keys[0]); k++) {
+			if (eq && strlen(config_keys[k].name) == key_len &&
+			    !strncmp(av[i], config_keys[k].name, key_len))
+				break;
+		}
+		if (k == sizeof(config_keys) / sizeof(config_keys[0])) {
+			slurm_error("greyhound: plugstack.conf: unknown argument '%s'; allowed: default=on|off, mode=detect|mitigate, prefix=DIR, rundir=DIR",
+				    av[i]);
+			return -1;
+		}
+		switch (config_keys[k].key) {
+		case KEY_DEFAULT:
+			if ((config->default_on = parse_bool(value)) < 0) {
+				slurm_error("greyhound: plugstack.conf: default='%s' is not allowed; use on or off", value);
+				return -1;
+			}
+			break;
+		case KEY_MODE:
+			if (!valid_mode(value) || copy_string(config->mode, sizeof(config->mode), value) < 0) {
+				slurm_error("greyhound: plugstack.conf: mode='%s' is not allowed; use detect or mitigate", value);
+				return -1;
+			}
+			break;
+		case KEY_PREFIX:
+		case KEY_RUNDIR: {
+			char *dst = config_keys[k].key == KEY_PREFIX ? config->prefix : config->rundir;
+
+			if (value[0] != '/' || copy_string(dst, PATH_MAX, value) < 0) {
+				slurm_error("greyhound: plugstack.conf: %s='%s' must be an absolute path shorter than %d characters",
+					    config_keys[k].name, value, PATH_MAX);
+				return -1;
+			}
+			break;
+		}
+		}
+	}
+	return 0;
+}
+
+/* --- user options: --greyhound=OPTIONS ---------------------------------------- */
+
+void gh_options_defaults(struct gh_options *options)
+{
+	memset(options, 0, sizeof(*options));
+	options->enabled = -1;
+	options->trace = -1;
+}
+
+#define FAIL(...)                                    \
+	do {                                         \
+		snprintf(err, err_len, __VA_ARGS__); \
+		goto fail;                           \
+	} while (0)
+
+static int set_mode(struct gh_options *options, const char *value, char *err, size_t err_len)
+{
+	if (!valid_mode(value))
+		FAIL("--greyhound: mode='%s' is not allowed; use mode=detect or mode=mitigate", value);
+	if (options->mode[0] && strcmp(options->mode, value))
+		FAIL("--greyhound: mode given twice ('%s' and '%s'); give it once", options->mode, value);
+	strcpy(options->mode, value);
+	return 0;
+fail:
+	return -1;
+}
+
+static int parse_item(struct gh_options *options, char *item, char *err, size_t err_len)
+{
+	char *value = strchr(item, '=');
+
+	if (!value) {
+		if (!strcmp(item, "off")) {
+			options->enabled = 0;
+			return 0;
+		}
+		if (!strcmp(item, "on")) {
+			options->enabled = 1;
+			return 0;
+		}
+		if (valid_mode(item))
+			return set_mode(options, item, err, err_len);
+		FAIL("--greyhound: '%s' is not an option; use off, on, detect, mitigate or key=value with keys " GH_OPTION_KEYS,
+		     item);
+	}
+	*value++ = '\0';
+	if (!strcmp(item, "mode"))
+		return set_mode(options, value, err, err_len);
+	if (!strcmp(item, "trace")) {
+		int on = parse_bool(value);
+
+		if (on < 0)
+			FAIL("--greyhound: trace='%s' is not allowed; use trace=on or trace=off", value);
+		if (options->trace >= 0 && options->trace != on)
+			FAIL("--greyhound: trace given twice with different values; give it once");
+		options->trace = on;
+		return 0;
+	}
+	if (!strcmp(item, "report")) {
+		if (value[0] != '/')
+			FAIL("--greyhound: report='%s' must be an absolute directory path", value);
+		if (copy_string(options->report, sizeof(options->report), value) < 0)
+			FAIL("--greyhound: report path is longer than %d characters", PATH_MAX - 1);
+		return 0;
+	}
+	FAIL("--greyhound: unknown key '%s'; allowed keys: " GH_OPTION_KEYS, item);
+fail:
+	return -1;
+}
+
+/*
+ * Parses OPTIONS into options; on error returns -1 with a one-line message in err.
+ * NULL, "" and "(null)" (how Slurm forwards a bare optional-argument flag) mean "on".
+ */
+int gh_options_parse(struct gh_options *options, const char *value, char *err, size_t err_len)
+{
+	char *copy = NULL, *item, *save = NULL;
+	size_t len;
+	int rv = -1;
+
+	options->seen = 1;
+	if (value == NULL || value[0] == '\0' || !strcmp(value, "(null)")) {
+		options->enabled = 1;
+		return 0;
+	}
+	len = strlen(value);
+	if (len > GH_OPTION_MAX_LEN)
+		FAIL("--greyhound: the value is %zu characters long; at most %d are allowed", len, GH_OPTION_MAX_LEN);
+	for (size_t i = 0; i < len; i++) {
+		if (iscntrl((unsigned char)value[i]))
+			FAIL("--greyhound: control character 0x%02x at position %zu; only printable characters are allowed",
+			     (unsigned char)value[i], i + 1);
+	}
+	if (value[len - 1] == ',' || value[0] == ',' || strstr(value, ",,"))
+		FAIL("--greyhound: empty item in '%s'; separate key=value items with single commas", value);
+	if ((copy = strdup(value)) == NULL)
+		FAIL("--greyhound: out of memory");
+	for (item = strtok_r(copy, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+		if (parse_item(options, item, err, err_len) < 0)
+			goto fail;
+	}
+	if (options->enabled == 0 && (options->mode[0] || options->trace >= 0 || options->report[0]))
+		FAIL("--greyhound: 'off' cannot be combined with other settings");
+	if (options->enabled < 0)
+		options->enabled = 1;
+	rv = 0;
+fail:
+	free(copy);
+	return rv;
+}
+
+int gh_enabled(const struct gh_config *config, const struct gh_options *options)
+{
+	if (options->seen && options->enabled >= 0)
+		return options->enabled;
+	return config->default_on;
+}
+
+const char *gh_effective_mode(const struct gh_config *config, const struct gh_options *options)
+{
+	return options->mode[0] ? options->mode : config->mode;
+}

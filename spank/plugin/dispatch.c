@@ -1,0 +1,49 @@
+/*
+ * The only file that defines slurm_spank_* hooks run in several contexts; each
+ * forwards to the file of its context. Hooks of one context live in that file.
+ */
+#include <string.h>
+
+#include "greyhound.h"
+
+/* Built with -fvisibility=hidden: what Slurm looks up is made visible here only. */
+#pragma GCC visibility push(default)
+SPANK_PLUGIN(greyhound, 1);
+
+struct gh_config gh_config;
+struct gh_options gh_options;
+
+int slurm_spank_init(spank_t sp, int ac, char **av)
+{
+	gh_config_defaults(&gh_config);
+	gh_options_defaults(&gh_options);
+	if (gh_config_parse(&gh_config, ac, av) < 0) {
+		/* A broken admin configuration turns greyhound off, never the job. */
+		slurm_error("greyhound: failed to parse plugstack.conf arguments; greyhound is off");
+		gh_config_defaults(&gh_config);
+		return 0;
+	}
+	switch (spank_context()) {
+	case S_CTX_LOCAL:
+	case S_CTX_ALLOCATOR:
+	case S_CTX_REMOTE:
+		/*
+		 * sbatch options must be registered here, not through spank_options.
+		 * A failure is logged and leaves the job alone (fail open).
+		 */
+		gh_register_options(sp);
+		return 0;
+	default:
+		return 0;
+	}
+}
+
+int slurm_spank_user_init(spank_t sp, int ac, char **av)
+{
+	(void)ac;
+	(void)av;
+	if (spank_context() != S_CTX_REMOTE)
+		return 0;
+	return gh_remote_user_init(sp);
+}
+#pragma GCC visibility pop

@@ -1,0 +1,55 @@
+/*
+ * greyhound SPANK plugin: shared declarations.
+ *
+ * Two configuration channels, kept apart (as in pyxis):
+ *   struct gh_config   the admin's plugstack.conf arguments (cluster-wide defaults)
+ *   struct gh_options  the user's --greyhound=OPTIONS
+ */
+#ifndef GREYHOUND_H
+#define GREYHOUND_H
+
+#include <limits.h>
+#include <stddef.h>
+
+#include <slurm/spank.h>
+
+#define GH_OPTION_MAX_LEN 1024 /* longest --greyhound= value accepted */
+#define GH_MODE_MAX_LEN 16
+#define GH_HOOK_LIB "libgreyhound_hook.so"
+#define GH_LIBDIR "lib/greyhound" /* relative to prefix= */
+
+struct gh_config {
+	int default_on;                /* 1: every job unless --greyhound=off */
+	char mode[GH_MODE_MAX_LEN];    /* detect | mitigate */
+	char prefix[PATH_MAX];         /* where greyhound is installed */
+	char rundir[PATH_MAX];         /* parent of the per-job run directories */
+};
+
+struct gh_options {
+	int seen;                      /* --greyhound given at all */
+	int enabled;                   /* -1 unset, 0 off, 1 on */
+	char mode[GH_MODE_MAX_LEN];    /* "" = the admin's default */
+	int trace;                     /* -1 unset, 0 off, 1 on */
+	char report[PATH_MAX];         /* "" = default report directory */
+};
+
+/* The effective state of this process, filled by the option callback and init. */
+extern struct gh_config gh_config;
+extern struct gh_options gh_options;
+
+/* config.c */
+void gh_config_defaults(struct gh_config *config);
+int gh_config_parse(struct gh_config *config, int ac, char **av);
+void gh_options_defaults(struct gh_options *options);
+int gh_options_parse(struct gh_options *options, const char *value, char *err, size_t err_len);
+int gh_enabled(const struct gh_config *config, const struct gh_options *options);
+const char *gh_effective_mode(const struct gh_config *config, const struct gh_options *options);
+
+/* args.c */
+int gh_register_options(spank_t sp);
+int gh_options_from_env(spank_t sp);
+
+/* remote.c */
+int gh_remote_user_init(spank_t sp);
+
+#endif /* GREYHOUND_H */

@@ -1,0 +1,157 @@
+/*
+ * Remote context (slurmstepd): prepare every task of an enabled job.
+ *
+ * In slurm_spank_user_init, before the tasks fork, for every step (batch, srun):
+ *   - create the per-job run directory (mode 0700, owned by the job's user);
+ *   - export GREYHOUND_* into the job's environment;
+ *   - prepend the hook to LD_PRELOAD, keeping the user's own entries.
+ * Any failure is logged once and leaves the job as if greyhound were not there.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include "greyhound.h"
+
+#define GH_ENV_MAX 8192
+
+static int set_env(spank_t sp, const char *name, const char *value)
+{
+	spank_err_t rc = spank_setenv(sp, name, value, 1);
+
+	if (rc != ESPANK_SUCCESS) {
+		slurm_error("greyhound: remote: cannot set %s: %s", name, spank_strerror(rc));
+		return -1;
+	}
+	return 0;
+}
+
+static int make_run_dir(const char *path, uid_t uid, gid_t gid)
+{
+	struct stat st;
+
+	if (mkdir(path, 0700) < 0 && errno != EEXIST) {
+		slurm_error("greyhound: remote: mkdir %s: %s", path, strerror(errno));
+		return -1;
+	}
+	/* lstat: a symlink planted at the job's path must not redirect our chown. */
+	if (lstat(path, &st) < 0) {
+		slurm_error("greyhound: remote: stat %s: %s", path, strerror(errno));
+		return -1;
+	}
+	if (!S_ISDIR(st.st_mode)) {
+		slurm_error("greyhound: remote: %s exists and is not a directory", path);
+		return -1;
+	}
+	if (st.st_uid != uid || st.st_gid != gid) {
+		if (geteuid() != 0 || chown(path, uid, gid) < 0) {
+			slurm_error("greyhound: remote: %s is owned by uid %u, not the job's uid %u",
+				    path, (unsigned)st.st_uid, (unsigned)uid);
+			return -1;
+		}
+	}
+	if ((st.st_mode & 07777) != 0700 && chmod(path, 0700) < 0) {
+		slurm_error("greyhound: remote: chmod %s: %s", path, strerror(errno));
+		return -1;
+	}
+	return 0;
+}
+
+/* Prepends lib to a colon-separated list, dropping other copies of lib. */
+static int prepend_path(char *out, size_t out_len, const char *lib, const char *list)
+{
+	char *copy = NULL, *item, *save = NULL;
+	size_t used;
+	int n, rv = -1;
+
+	n = snprintf(out, out_len, "%s", lib);
+	if (n < 0 || (size_t)n >= out_len)
+		goto fail;
+	used = n;
+	if ((copy = strdup(list)) == NULL)
+		goto fail;
+	for (item = strtok_r(copy, ": ", &save); item; item = strtok_r(NULL, ": ", &save)) {
+		if (!strcmp(item, lib))
+			continue;
+		n = snprintf(out + used, out_len - used, ":%s", item);
+		if (n < 0 || (size_t)n >= out_len - used)
+			goto fail;
+		used += n;
+	}
+	rv = 0;
+fail:
+	free(copy);
+	return rv;
+}
+
+static int prepend_env(spank_t sp, const char *name, const char *entry)
+{
+	char current[GH_ENV_MAX] = "", updated[GH_ENV_MAX];
+	spank_err_t rc = spank_getenv(sp, name, current, sizeof(current));
+
+	if (rc != ESPANK_SUCCESS && rc != ESPANK_ENV_NOEXIST) {
+		slurm_error("greyhound: remote: cannot read %s: %s", name, spank_strerror(rc));
+		return -1;
+	}
+	if (prepend_path(updated, sizeof(updated), entry, current) < 0) {
+		slurm_error("greyhound: remote: %s would exceed %d characters; left unchanged", name, GH_ENV_MAX);
+		return -1;
+	}
+	return set_env(sp, name, updated);
+}
+
+int gh_remote_user_init(spank_t sp)
+{
+	uint32_t job_id;
+	uid_t uid;
+	gid_t gid;
+	char job_id_str[16], run_dir[PATH_MAX], path[PATH_MAX];
+	int n;
+
+	if (gh_options_from_env(sp) < 0 || !gh_enabled(&gh_config, &gh_options))
+		return 0;
+	if (spank_get_item(sp, S_JOB_ID, &job_id) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_JOB_UID, &uid) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_JOB_GID, &gid) != ESPANK_SUCCESS) {
+		slurm_error("greyhound: remote: cannot get the job's id, uid or gid; greyhound is off");
+		return 0;
+	}
+	snprintf(job_id_str, sizeof(job_id_str), "%u", job_id);
+	n = snprintf(run_dir, sizeof(run_dir), "%s/%u", gh_config.rundir, job_id);
+	if (n < 0 || (size_t)n >= sizeof(run_dir)) {
+		slurm_error("greyhound: remote: run directory path too long; greyhound is off");
+		return 0;
+	}
+	if (make_run_dir(run_dir, uid, gid) < 0) {
+		slurm_error("greyhound: remote: no run directory; greyhound is off for job %u", job_id);
+		return 0;
+	}
+	if (set_env(sp, "GREYHOUND_JOB_ID", job_id_str) < 0 ||
+	    set_env(sp, "GREYHOUND_MODE", gh_effective_mode(&gh_config, &gh_options)) < 0 ||
+	    set_env(sp, "GREYHOUND_RUN_DIR", run_dir) < 0 ||
+	    set_env(sp, "GREYHOUND_PREFIX", gh_config.prefix) < 0 ||
+	    set_env(sp, "GREYHOUND_TRACE", gh_options.trace == 0 ? "off" : "on") < 0)
+		return 0;
+	if (gh_options.report[0] && set_env(sp, "GREYHOUND_REPORT_DIR", gh_options.report) < 0)
+		return 0;
+
+	n = snprintf(path, sizeof(path), "%s/" GH_LIBDIR "/" GH_HOOK_LIB, gh_config.prefix);
+	if (n < 0 || (size_t)n >= sizeof(path))
+		slurm_error("greyhound: remote: hook path too long; calls are not recorded");
+	else if (access(path, R_OK) < 0)
+		slurm_info("greyhound: remote: %s: %s; calls are not recorded", path, strerror(errno));
+	else
+		prepend_env(sp, "LD_PRELOAD", path);
+
+	/* Python capture for backends the C hook cannot see (gloo): a sitecustomize. */
+	n = snprintf(path, sizeof(path), "%s/" GH_LIBDIR "/python", gh_config.prefix);
+	if (n >= 0 && (size_t)n < sizeof(path) && access(path, R_OK | X_OK) == 0)
+		prepend_env(sp, "PYTHONPATH", path);
+	return 0;
+}
