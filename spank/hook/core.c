@@ -1,0 +1,389 @@
+/*
+ * greyhound hook: process state, the ring file, the pause gate, fork.
+ *
+ * Nothing happens at load time: the ring is opened by the first intercepted
+ * call, so a program that never calls NCCL or MPI gets no file, no thread and
+ * no message. Any failure turns the hook off for the process (calls still go
+ * through untouched) and prints one line on stderr.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "hook.h"
+
+int gh_state_cached = GH_UNINIT;
+__thread int gh_nesting __attribute__((tls_model("initial-exec")));
+struct gh_ring_header *gh_hdr;
+struct gh_record *gh_records;
+uint64_t gh_mask;
+
+static uint64_t pause_timeout_ns = 60ull * 1000000000ull;
+static uint32_t gate_released_epoch; /* a gate epoch that timed out is not obeyed again */
+static uint64_t problems_reported;
+static int atfork_registered;
+
+void gh_log_once(enum gh_problem problem, const char *fmt, ...)
+{
+	char buf[512];
+	va_list ap;
+	int n, m;
+	uint64_t bit = 1ull << problem;
+
+	if (__atomic_fetch_or(&problems_reported, bit, __ATOMIC_RELAXED) & bit)
+		return;
+	n = snprintf(buf, sizeof(buf), "greyhound: hook: ");
+	va_start(ap, fmt);
+	m = vsnprintf(buf + n, sizeof(buf) - (size_t)n - 1, fmt, ap);
+	va_end(ap);
+	if (m < 0)
+		return;
+	n += m;
+	if ((size_t)n > sizeof(buf) - 2)
+		n = (int)sizeof(buf) - 2; /* truncated: still one line */
+	buf[n++] = '\n';
+	/* write(2) directly: no stdio lock or buffer in a signal/fork-unsafe spot */
+	if (write(STDERR_FILENO, buf, (size_t)n) < 0)
+		return;
+}
+
+static void set_state(int s)
+{
+	__atomic_store_n(&gh_state_cached, s, __ATOMIC_RELEASE);
+}
+
+/* Strict integer parse: the whole string, in [lo, hi]. */
+static int parse_long(const char *s, long lo, long hi, long *out)
+{
+	char *end;
+	long v;
+
+	if (!s || !*s)
+		return -1;
+	errno = 0;
+	v = strtol(s, &end, 10);
+	if (errno || *end || v < lo || v > hi)
+		return -1;
+	*out = v;
+	return 0;
+}
+
+/* The global rank the ring is named by: the first launcher variable that is set. */
+static long global_rank(void)
+{
+	static const char *const vars[] = { "SLURM_PROCID", "RANK",
+					    "OMPI_COMM_WORLD_RANK", "PMI_RANK" };
+	long rank;
+
+	for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++) {
+		const char *v = getenv(vars[i]);
+
+		if (!v)
+			continue;
+		if (parse_long(v, 0, 1L << 30, &rank) == 0)
+			return rank;
+		gh_log_once(GH_P_RANK, "%s=\"%.40s\" is not a rank; trying the next variable",
+			    vars[i], v);
+	}
+	return -1;
+}
+
+static int read_config(uint32_t *capacity, uint32_t *hook_flags)
+{
+	const char *v;
+	long n;
+
+	*capacity = GH_RING_DEFAULT_RECORDS;
+	*hook_flags = 0;
+
+	v = getenv("GREYHOUND_TRACE");
+	if (v && *v) {
+		if (strcmp(v, "on") == 0)
+			*hook_flags |= GH_HOOK_TRACE;
+		else if (strcmp(v, "off") != 0) {
+			gh_log_once(GH_P_BAD_ENV, "GREYHOUND_TRACE=\"%.40s\": expected on or off; recording off", v);
+			return -1;
+		}
+	}
+	v = getenv("GREYHOUND_PAUSE_TIMEOUT_S");
+	if (v && *v) {
+		char *end;
+		double s;
+
+		errno = 0;
+		s = strtod(v, &end);
+		if (errno || *end || !isfinite(s) || s < 0 || s > 86400) {
+			gh_log_once(GH_P_BAD_ENV, "GREYHOUND_PAUSE_TIMEOUT_S=\"%.40s\": expected seconds in [0, 86400]; recording off", v);
+			return -1;
+		}
+		pause_timeout_ns = (uint64_t)(s * 1e9);
+	}
+	v = getenv("GREYHOUND_RING_RECORDS");
+	if (v && *v) {
+		if (parse_long(v, GH_RING_MIN_RECORDS, GH_RING_MAX_RECORDS, &n) ||
+		    (n & (n - 1)) != 0) {
+			gh_log_once(GH_P_BAD_ENV, "GREYHOUND_RING_RECORDS=\"%.40s\": expected a power of two in [%u, %u]; recording off",
+				    v, GH_RING_MIN_RECORDS, GH_RING_MAX_RECORDS);
+			return -1;
+		}
+		*capacity = (uint32_t)n;
+	}
+	return 0;
+}
+
+/* Reserves the file's blocks now, so a full disk fails here and not as SIGBUS later. */
+static int reserve(int fd, size_t bytes)
+{
+	static const char zeros[65536];
+	int rv = posix_fallocate(fd, 0, (off_t)bytes);
+
+	if (rv == 0)
+		return 0;
+	if (rv != EOPNOTSUPP && rv != EINVAL) {
+		errno = rv;
+		return -1;
+	}
+	for (size_t off = 0; off < bytes; off += sizeof(zeros)) {
+		size_t len = bytes - off < sizeof(zeros) ? bytes - off : sizeof(zeros);
+
+		if (pwrite(fd, zeros, len, (off_t)off) != (ssize_t)len)
+			return -1;
+	}
+	return 0;
+}
+
+static int open_ring_file(const char *dir, long rank, char *path, size_t path_len)
+{
+	int fd, n;
+
+	if (rank >= 0)
+		n = snprintf(path, path_len, "%s/ring.%ld", dir, rank);
+	else
+		n = snprintf(path, path_len, "%s/ring.pid%ld", dir, (long)getpid());
+	if (n < 0 || (size_t)n >= path_len) {
+		errno = ENAMETOOLONG;
+		return -1;
+	}
+	fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+	if (fd >= 0 || errno != EEXIST || rank < 0)
+		return fd;
+	/* Taken: an earlier step of the job, or a forked child of this rank. */
+	n = snprintf(path, path_len, "%s/ring.%ld.%ld", dir, rank, (long)getpid());
+	if (n < 0 || (size_t)n >= path_len) {
+		errno = ENAMETOOLONG;
+		return -1;
+	}
+	return open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+}
+
+static void atfork_child(void)
+{
+	/*
+	 * The mapping is shared with the parent: the child must not write into the
+	 * parent's ring. It starts over and opens its own ring if it ever calls.
+	 * The old mapping is left in place (not written again) so that a pointer
+	 * the Python capture still holds to the gate word stays readable.
+	 */
+	gh_hdr = NULL;
+	gh_records = NULL;
+	gh_nccl_atfork_child();
+	set_state(GH_UNINIT);
+}
+
+static int open_ring(void)
+{
+	const char *dir = getenv("GREYHOUND_RUN_DIR");
+	const char *job = getenv("GREYHOUND_JOB_ID");
+	char path[4096];
+	uint32_t capacity, hook_flags;
+	size_t bytes;
+	struct gh_ring_header *hdr = MAP_FAILED;
+	struct timespec rt;
+	long rank;
+	int fd = -1, rv = -1, created = 0;
+
+	path[0] = '\0';
+	if (!dir || !*dir) {
+		gh_log_once(GH_P_NO_RUN_DIR, "GREYHOUND_RUN_DIR is not set; recording off");
+		goto fail;
+	}
+	if (read_config(&capacity, &hook_flags) < 0)
+		goto fail;
+	rank = global_rank();
+	bytes = GH_RING_HEADER_BYTES + GH_COMM_CAPACITY * sizeof(struct gh_comm_entry) +
+		(size_t)capacity * sizeof(struct gh_record);
+
+	fd = open_ring_file(dir, rank, path, sizeof(path));
+	if (fd < 0) {
+		gh_log_once(GH_P_RING_OPEN, "cannot create a ring in %.200s: %s; recording off",
+			    dir, strerror(errno));
+		goto fail;
+	}
+	created = 1;
+	if (reserve(fd, bytes) < 0) {
+		gh_log_once(GH_P_RING_OPEN, "cannot reserve %zu bytes for %.200s: %s; recording off",
+			    bytes, path, strerror(errno));
+		goto fail;
+	}
+	hdr = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (hdr == MAP_FAILED) {
+		gh_log_once(GH_P_RING_OPEN, "cannot map %.200s: %s; recording off", path,
+			    strerror(errno));
+		goto fail;
+	}
+
+	hdr->version = GH_RING_VERSION;
+	hdr->header_bytes = GH_RING_HEADER_BYTES;
+	hdr->record_bytes = sizeof(struct gh_record);
+	hdr->capacity = capacity;
+	hdr->comms_offset = GH_RING_HEADER_BYTES;
+	hdr->comm_bytes = sizeof(struct gh_comm_entry);
+	hdr->comm_capacity = GH_COMM_CAPACITY;
+	hdr->records_offset = GH_RING_HEADER_BYTES + GH_COMM_CAPACITY * sizeof(struct gh_comm_entry);
+	hdr->rank = (int32_t)rank;
+	hdr->pid = (int32_t)getpid();
+	clock_gettime(CLOCK_REALTIME, &rt);
+	hdr->t0_monotonic_ns = gh_now_ns();
+	hdr->t0_realtime_ns = (uint64_t)rt.tv_sec * 1000000000ull + (uint64_t)rt.tv_nsec;
+	hdr->pause_timeout_ns = pause_timeout_ns;
+	hdr->hook_flags = hook_flags;
+	if (job && snprintf(hdr->job_id, sizeof(hdr->job_id), "%s", job) >= (int)sizeof(hdr->job_id))
+		hdr->job_id[sizeof(hdr->job_id) - 1] = '\0'; /* truncated, still terminated */
+	if (gethostname(hdr->hostname, sizeof(hdr->hostname) - 1) < 0)
+		hdr->hostname[0] = '\0';
+	/* Magic last: a reader that sees it sees a complete header. */
+	__atomic_thread_fence(__ATOMIC_RELEASE);
+	memcpy(hdr->magic, GH_RING_MAGIC, sizeof(GH_RING_MAGIC));
+
+	gh_records = (struct gh_record *)((char *)hdr + hdr->records_offset);
+	gh_mask = capacity - 1;
+	gh_hdr = hdr;
+	hdr = MAP_FAILED; /* owned by the process state now */
+	rv = 0;
+fail:
+	if (hdr != MAP_FAILED)
+		munmap(hdr, bytes);
+	if (fd >= 0)
+		close(fd);
+	if (rv < 0 && created)
+		unlink(path);
+	return rv;
+}
+
+int gh_init_slow(void)
+{
+	int expected = GH_UNINIT;
+
+	if (!__atomic_compare_exchange_n(&gh_state_cached, &expected, GH_INITIALISING, 0,
+					 __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+		return expected == GH_ON; /* another thread is opening it: pass through */
+	if (!atfork_registered) {
+		if (pthread_atfork(NULL, NULL, atfork_child) != 0) {
+			gh_log_once(GH_P_FORK, "pthread_atfork failed; recording off");
+			set_state(GH_OFF);
+			return 0;
+		}
+		atfork_registered = 1;
+	}
+	if (open_ring() < 0) {
+		set_state(GH_OFF);
+		return 0;
+	}
+	set_state(GH_ON);
+	return 1;
+}
+
+void gh_gate_slow(void)
+{
+	struct gh_ring_header *hdr = gh_hdr;
+	uint32_t epoch = __atomic_load_n(&hdr->gate, __ATOMIC_ACQUIRE);
+	uint64_t t0, t, deadline;
+	int timed_out = 0;
+
+	if (epoch == 0 || epoch == __atomic_load_n(&gate_released_epoch, __ATOMIC_RELAXED))
+		return;
+	t0 = gh_now_ns();
+	deadline = t0 + pause_timeout_ns;
+	__atomic_fetch_add(&hdr->gate_waits, 1, __ATOMIC_RELAXED);
+	if (__atomic_fetch_add(&hdr->parked, 1, __ATOMIC_ACQ_REL) == 0)
+		__atomic_store_n(&hdr->parked_since_ns, t0, __ATOMIC_RELEASE);
+	for (;;) {
+		struct timespec nap = { 0, 500000 }; /* 0.5 ms: the gate is seconds-scale */
+		uint32_t e = __atomic_load_n(&hdr->gate, __ATOMIC_ACQUIRE);
+
+		t = gh_now_ns();
+		if (e == 0)
+			break;
+		if (t >= deadline) {
+			/* The agent is gone or stuck: go on, and ignore this epoch from now on. */
+			__atomic_store_n(&gate_released_epoch, e, __ATOMIC_RELAXED);
+			timed_out = 1;
+			epoch = e;
+			break;
+		}
+		nanosleep(&nap, NULL);
+	}
+	if (__atomic_sub_fetch(&hdr->parked, 1, __ATOMIC_ACQ_REL) == 0)
+		__atomic_store_n(&hdr->parked_since_ns, 0, __ATOMIC_RELEASE);
+	if (timed_out)
+		__atomic_fetch_add(&hdr->gate_timeouts, 1, __ATOMIC_RELAXED);
+	gh_record(GH_OP_PAUSE, GH_SRC_HOOK, timed_out ? GH_F_GATE_TIMEOUT : 0, t0, t, 0, 0,
+		  -1, epoch, 0);
+}
+
+void gh_comm_publish(uint64_t comm_id, uint64_t parent_id, int32_t size, int32_t rank,
+		     uint16_t source, int32_t color)
+{
+	struct gh_ring_header *hdr = gh_hdr;
+	struct gh_comm_entry *table;
+	uint32_t idx;
+
+	if (!hdr)
+		return;
+	idx = __atomic_fetch_add(&hdr->num_comms, 1, __ATOMIC_RELAXED);
+	if (idx >= hdr->comm_capacity) {
+		__atomic_fetch_add(&hdr->comm_overflow, 1, __ATOMIC_RELAXED);
+		gh_log_once(GH_P_COMM_TABLE, "more than %u communicators; later ones are not described in the ring",
+			    hdr->comm_capacity);
+		return;
+	}
+	table = (struct gh_comm_entry *)((char *)hdr + hdr->comms_offset);
+	table[idx].comm_id = comm_id;
+	table[idx].parent_id = parent_id;
+	table[idx].t_create_ns = gh_now_ns();
+	table[idx].size = size;
+	table[idx].rank = rank;
+	table[idx].source = source;
+	table[idx].color = color;
+	__atomic_store_n(&table[idx].state, GH_COMM_LIVE, __ATOMIC_RELEASE);
+}
+
+void gh_comm_retire(uint64_t comm_id)
+{
+	struct gh_ring_header *hdr = gh_hdr;
+	struct gh_comm_entry *table;
+	uint32_t n;
+
+	if (!hdr)
+		return;
+	table = (struct gh_comm_entry *)((char *)hdr + hdr->comms_offset);
+	n = __atomic_load_n(&hdr->num_comms, __ATOMIC_ACQUIRE);
+	if (n > hdr->comm_capacity)
+		n = hdr->comm_capacity;
+	for (uint32_t i = n; i-- > 0;) {
+		if (table[i].comm_id == comm_id &&
+		    __atomic_load_n(&table[i].state, __ATOMIC_ACQUIRE) == GH_COMM_LIVE) {
+			__atomic_store_n(&table[i].state, GH_COMM_DESTROYED, __ATOMIC_RELEASE);
+			return;
+		}
+	}
+}

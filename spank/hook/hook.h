@@ -1,0 +1,190 @@
+/*
+ * greyhound hook: what the interposition files share.
+ *
+ * Every interposed function follows one shape:
+ *
+ *     real = gh_resolve(&cache, "name");        // dlsym(RTLD_NEXT), cached
+ *     if (!gh_enter()) return real(...);        // off, nested or initialising
+ *     gh_gate();                                // pause gate (bounded wait)
+ *     t0 = gh_now_ns(); rc = real(...); t1 = gh_now_ns();
+ *     gh_record(...); gh_leave(); return rc;
+ *
+ * so the program's call always happens exactly once with its own arguments and
+ * its own return value, whatever state the hook is in.
+ */
+#ifndef GH_HOOK_H
+#define GH_HOOK_H
+
+#include <stdint.h>
+#include <time.h>
+
+#include "gh_ring.h"
+
+#define GH_EXPORT __attribute__((visibility("default")))
+#define GH_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define GH_LIKELY(x) __builtin_expect(!!(x), 1)
+
+/* Problems reported at most once each (bit numbers). */
+enum gh_problem {
+	GH_P_NO_RUN_DIR,
+	GH_P_BAD_ENV,
+	GH_P_RING_OPEN,
+	GH_P_RESOLVE,
+	GH_P_COMM_TABLE,
+	GH_P_CUDA,
+	GH_P_FORK,
+	GH_P_RANK,
+	GH_P_COUNT
+};
+
+/* Logging: one line on stderr, "greyhound: hook: ...", once per problem. */
+void gh_log_once(enum gh_problem problem, const char *fmt, ...)
+	__attribute__((format(printf, 2, 3)));
+
+static inline uint64_t gh_now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* State of the hook in this process. */
+enum gh_state { GH_UNINIT = 0, GH_INITIALISING = 1, GH_ON = 2, GH_OFF = 3 };
+
+extern int gh_state_cached;          /* plain copy of the state for the fast check */
+extern __thread int gh_nesting __attribute__((tls_model("initial-exec")));
+extern struct gh_ring_header *gh_hdr; /* NULL unless GH_ON */
+extern struct gh_record *gh_records;
+extern uint64_t gh_mask;
+
+int gh_init_slow(void);
+
+/*
+ * Returns 1 if this call is to be recorded: the hook is on and this thread is
+ * not already inside an intercepted call. A caller that got 1 must call
+ * gh_leave(). The first call of the process initialises (opens the ring).
+ */
+static inline int gh_enter(void)
+{
+	int s = __atomic_load_n(&gh_state_cached, __ATOMIC_ACQUIRE);
+
+	if (GH_UNLIKELY(s != GH_ON)) {
+		if (s != GH_UNINIT || !gh_init_slow())
+			return 0;
+	}
+	if (gh_nesting)
+		return 0;
+	gh_nesting = 1;
+	return 1;
+}
+
+static inline void gh_leave(void)
+{
+	gh_nesting = 0;
+}
+
+void gh_gate_slow(void);
+
+/* The pause gate: one relaxed load unless the agent has set it. */
+static inline void gh_gate(void)
+{
+	if (GH_UNLIKELY(__atomic_load_n(&gh_hdr->gate, __ATOMIC_RELAXED) != 0))
+		gh_gate_slow();
+}
+
+/* Appends one record; returns its sequence number (index + 1). Lock-free. */
+static inline uint64_t gh_record(uint16_t op, uint8_t source, uint32_t flags,
+				 uint64_t t_start_ns, uint64_t t_end_ns,
+				 uint64_t size_bytes, uint64_t comm_id,
+				 int32_t peer, uint64_t req_id, int32_t rc)
+{
+	struct gh_ring_header *hdr = gh_hdr;
+	uint64_t idx = __atomic_fetch_add(&hdr->head, 1, __ATOMIC_RELAXED);
+	struct gh_record *r = &gh_records[idx & gh_mask];
+
+	if (GH_UNLIKELY(idx > gh_mask)) {
+		uint64_t rpos = __atomic_load_n(&hdr->reader_pos, __ATOMIC_RELAXED);
+
+		/* Slot idx - capacity is being overwritten: was it read? */
+		if (idx - gh_mask - 1 >= rpos)
+			__atomic_fetch_add(&hdr->drops, 1, __ATOMIC_RELAXED);
+	}
+	__atomic_store_n(&r->seq, 0, __ATOMIC_RELAXED);
+	__atomic_thread_fence(__ATOMIC_RELEASE);
+	r->t_start_ns = t_start_ns;
+	r->t_end_ns = t_end_ns;
+	r->size_bytes = size_bytes;
+	r->comm_id = comm_id;
+	r->req_id = req_id;
+	r->peer = peer;
+	r->op = op;
+	r->source = source;
+	r->reserved0 = 0;
+	r->flags = flags;
+	r->rc = rc;
+	__atomic_store_n(&r->seq, idx + 1, __ATOMIC_RELEASE);
+	return idx + 1;
+}
+
+/* Communicator table in the ring file (slow path: creation only). */
+void gh_comm_publish(uint64_t comm_id, uint64_t parent_id, int32_t size,
+		     int32_t rank, uint16_t source, int32_t color);
+void gh_comm_retire(uint64_t comm_id);
+
+/*
+ * Process-local map from a library's communicator handle (a pointer or an
+ * integer) to what the hook knows about it. Lock-free open addressing; a
+ * lookup is a few loads.
+ */
+struct gh_comm_info {
+	uint64_t comm_id;
+	int32_t size;
+	int32_t rank;
+	uint32_t flags;   /* GH_F_LOCAL_COMM when the id is process-local */
+	uint32_t num_splits;
+};
+
+int gh_comm_lookup(uint8_t source, uint64_t handle, struct gh_comm_info *out);
+void gh_comm_insert(uint8_t source, uint64_t handle, const struct gh_comm_info *info);
+void gh_comm_remove(uint8_t source, uint64_t handle);
+/* Counts earlier communicators of the same members (to tell duplicates apart). */
+uint32_t gh_comm_ordinal(uint8_t source, uint64_t member_hash);
+uint32_t gh_comm_next_split(uint8_t source, uint64_t handle);
+
+/* FNV-1a 64; greyhound/capture uses the same function for torch groups. */
+#define GH_FNV_OFFSET 0xcbf29ce484222325ull
+#define GH_FNV_PRIME 0x100000001b3ull
+static inline uint64_t gh_fnv1a(uint64_t h, const void *data, unsigned long len)
+{
+	const unsigned char *p = data;
+
+	for (unsigned long i = 0; i < len; i++) {
+		h ^= p[i];
+		h *= GH_FNV_PRIME;
+	}
+	return h;
+}
+
+/* Feeds one int32 as 4 little-endian bytes. */
+static inline uint64_t gh_fnv1a_i32(uint64_t h, int32_t v)
+{
+	uint32_t u = (uint32_t)v;
+	unsigned char b[4] = { u & 0xff, (u >> 8) & 0xff, (u >> 16) & 0xff, u >> 24 };
+
+	return gh_fnv1a(h, b, 4);
+}
+
+/*
+ * The real function behind an interposed name: dlsym(RTLD_NEXT), else the
+ * first loaded object other than this one that defines it (a library opened
+ * with RTLD_LOCAL, as Python extension modules are). Cached; NULL if none.
+ */
+void *gh_resolve(void **cache, const char *name);
+/* Same search for a symbol the hook only calls (e.g. PMPI_Comm_size). */
+void *gh_lookup_loaded(const char *name);
+
+/* NCCL device timing (nccl.c) is told about fork. */
+void gh_nccl_atfork_child(void);
+
+#endif

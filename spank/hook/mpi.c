@@ -1,0 +1,577 @@
+/*
+ * greyhound hook: MPI interposition (the CPU twin of the NCCL path).
+ *
+ * The hook defines the MPI_* entry points and forwards each to the next
+ * definition (dlsym(RTLD_NEXT), i.e. libmpi or another PMPI tool), so it links
+ * without libmpi and loads into programs that have no MPI at all.
+ *
+ * Communicator ids are the same on every member without any communication:
+ * FNV-1a over the members' MPI_COMM_WORLD ranks (in communicator rank order),
+ * then over an ordinal that tells apart communicators with the same members
+ * (MPI_COMM_WORLD and its duplicates), counted in order of first use.
+ * greyhound/capture/sitecustomize.py derives torch group ids the same way.
+ *
+ * Built against Open MPI's mpi.h (handles are pointers); MPI_COMM_WORLD is
+ * looked up at run time because its address lives in libmpi.
+ */
+#define _GNU_SOURCE
+#include <mpi.h>
+#include <stdint.h>
+
+#include "hook.h"
+
+#define DECLARE_REAL(fn) static void *real_##fn
+#define REAL(fn) ((__typeof__(&fn))gh_resolve(&real_##fn, #fn))
+
+#define WAIT_TRACKED 64 /* requests of one Waitall/Waitsome recorded one by one */
+
+DECLARE_REAL(PMPI_Comm_size);
+DECLARE_REAL(PMPI_Comm_rank);
+DECLARE_REAL(PMPI_Comm_group);
+DECLARE_REAL(PMPI_Group_translate_ranks);
+DECLARE_REAL(PMPI_Group_free);
+DECLARE_REAL(PMPI_Type_size);
+
+static uint64_t handle_of(MPI_Comm comm)
+{
+	return (uint64_t)(uintptr_t)comm;
+}
+
+static MPI_Comm world_comm(void)
+{
+#ifdef OPEN_MPI
+	static void *world;
+	void *w = __atomic_load_n(&world, __ATOMIC_ACQUIRE);
+
+	if (!w) {
+		w = gh_lookup_loaded("ompi_mpi_comm_world");
+		__atomic_store_n(&world, w, __ATOMIC_RELEASE);
+	}
+	return (MPI_Comm)w;
+#else
+	return MPI_COMM_WORLD;
+#endif
+}
+
+/* Member hash over world ranks; 0 if MPI cannot tell (then the id is local). */
+static int member_hash(MPI_Comm comm, int size, uint64_t *hash)
+{
+	__typeof__(&PMPI_Comm_group) comm_group = REAL(PMPI_Comm_group);
+	__typeof__(&PMPI_Group_translate_ranks) translate = REAL(PMPI_Group_translate_ranks);
+	__typeof__(&PMPI_Group_free) group_free = REAL(PMPI_Group_free);
+	MPI_Comm world = world_comm();
+	MPI_Group group, wgroup;
+	int ranks[256], wranks[256];
+	uint64_t h = GH_FNV_OFFSET;
+	int rv = -1, have_group = 0, have_wgroup = 0;
+
+	if (!comm_group || !translate || !group_free || !world)
+		goto fail;
+	if (comm_group(comm, &group) != MPI_SUCCESS)
+		goto fail;
+	have_group = 1;
+	if (comm_group(world, &wgroup) != MPI_SUCCESS)
+		goto fail;
+	have_wgroup = 1;
+	/* Fixed chunks: no allocation, whatever the communicator's size. */
+	for (int base = 0; base < size; base += 256) {
+		int n = size - base < 256 ? size - base : 256;
+
+		for (int i = 0; i < n; i++)
+			ranks[i] = base + i;
+		if (translate(group, n, ranks, wgroup, wranks) != MPI_SUCCESS)
+			goto fail;
+		for (int i = 0; i < n; i++)
+			h = gh_fnv1a_i32(h, wranks[i]);
+	}
+	*hash = h;
+	rv = 0;
+fail:
+	if (have_group)
+		group_free(&group);
+	if (have_wgroup)
+		group_free(&wgroup);
+	return rv;
+}
+
+/* What the hook knows about a communicator; derived once, then a lookup. */
+static void comm_info(MPI_Comm comm, struct gh_comm_info *ci)
+{
+	__typeof__(&PMPI_Comm_size) comm_size;
+	__typeof__(&PMPI_Comm_rank) comm_rank;
+	uint64_t hash;
+
+	if (GH_LIKELY(gh_comm_lookup(GH_SRC_MPI, handle_of(comm), ci)))
+		return;
+	comm_size = REAL(PMPI_Comm_size);
+	comm_rank = REAL(PMPI_Comm_rank);
+	ci->size = -1;
+	ci->rank = -1;
+	ci->num_splits = 0;
+	if (comm_size && comm_size(comm, &ci->size) != MPI_SUCCESS)
+		ci->size = -1;
+	if (comm_rank && comm_rank(comm, &ci->rank) != MPI_SUCCESS)
+		ci->rank = -1;
+	if (ci->size > 0 && member_hash(comm, ci->size, &hash) == 0) {
+		ci->comm_id = gh_fnv1a_i32(hash, (int32_t)gh_comm_ordinal(GH_SRC_MPI, hash));
+		ci->flags = 0;
+	} else {
+		ci->comm_id = gh_fnv1a(GH_FNV_OFFSET, &comm, sizeof(comm));
+		ci->flags = GH_F_LOCAL_COMM;
+	}
+	gh_comm_insert(GH_SRC_MPI, handle_of(comm), ci);
+	gh_comm_publish(ci->comm_id, 0, ci->size, ci->rank, GH_SRC_MPI, -1);
+	gh_record(GH_OP_COMM_INIT, GH_SRC_MPI, ci->flags, gh_now_ns(), gh_now_ns(),
+		  (uint64_t)(ci->size > 0 ? ci->size : 0), ci->comm_id, ci->rank, 0, 0);
+}
+
+static uint64_t type_bytes(MPI_Datatype type, long count)
+{
+	__typeof__(&PMPI_Type_size) type_size = REAL(PMPI_Type_size);
+	int size = 0;
+
+	if (count <= 0 || !type_size || type_size(type, &size) != MPI_SUCCESS || size < 0)
+		return 0;
+	return (uint64_t)count * (uint64_t)size;
+}
+
+static inline void rec(uint16_t op, uint32_t flags, uint64_t t0, uint64_t t1,
+		       uint64_t bytes, const struct gh_comm_info *ci, int32_t peer,
+		       uint64_t req, int rc)
+{
+	gh_record(op, GH_SRC_MPI, flags | ci->flags | (rc != MPI_SUCCESS ? GH_F_ERROR : 0),
+		  t0, t1, bytes, ci->comm_id, peer, req, rc);
+}
+
+/* ---- collectives ---------------------------------------------------------- */
+
+DECLARE_REAL(MPI_Allreduce);
+GH_EXPORT int MPI_Allreduce(const void *sendbuf, void *recvbuf, int count,
+			    MPI_Datatype datatype, MPI_Op op, MPI_Comm comm)
+{
+	__typeof__(&MPI_Allreduce) real = REAL(MPI_Allreduce);
+	struct gh_comm_info ci;
+	uint64_t t0, t1;
+	int rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(sendbuf, recvbuf, count, datatype, op, comm);
+	gh_gate();
+	t0 = gh_now_ns();
+	rc = real(sendbuf, recvbuf, count, datatype, op, comm);
+	t1 = gh_now_ns();
+	comm_info(comm, &ci);
+	rec(GH_OP_ALLREDUCE, sendbuf == MPI_IN_PLACE ? GH_F_IN_PLACE : 0, t0, t1,
+	    type_bytes(datatype, count), &ci, -1, 0, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(MPI_Reduce_scatter);
+GH_EXPORT int MPI_Reduce_scatter(const void *sendbuf, void *recvbuf, const int recvcounts[],
+				 MPI_Datatype datatype, MPI_Op op, MPI_Comm comm)
+{
+	__typeof__(&MPI_Reduce_scatter) real = REAL(MPI_Reduce_scatter);
+	struct gh_comm_info ci;
+	uint64_t t0, t1;
+	long total = 0;
+	int rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(sendbuf, recvbuf, recvcounts, datatype, op, comm);
+	gh_gate();
+	t0 = gh_now_ns();
+	rc = real(sendbuf, recvbuf, recvcounts, datatype, op, comm);
+	t1 = gh_now_ns();
+	comm_info(comm, &ci);
+	/* Bytes reduced: the whole input (sum of the pieces). */
+	for (int i = 0; recvcounts && i < ci.size; i++)
+		total += recvcounts[i];
+	rec(GH_OP_REDUCESCATTER, sendbuf == MPI_IN_PLACE ? GH_F_IN_PLACE : 0, t0, t1,
+	    type_bytes(datatype, total), &ci, -1, 0, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(MPI_Reduce_scatter_block);
+GH_EXPORT int MPI_Reduce_scatter_block(const void *sendbuf, void *recvbuf, int recvcount,
+				       MPI_Datatype datatype, MPI_Op op, MPI_Comm comm)
+{
+	__typeof__(&MPI_Reduce_scatter_block) real = REAL(MPI_Reduce_scatter_block);
+	struct gh_comm_info ci;
+	uint64_t t0, t1;
+	int rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(sendbuf, recvbuf, recvcount, datatype, op, comm);
+	gh_gate();
+	t0 = gh_now_ns();
+	rc = real(sendbuf, recvbuf, recvcount, datatype, op, comm);
+	t1 = gh_now_ns();
+	comm_info(comm, &ci);
+	rec(GH_OP_REDUCESCATTER, sendbuf == MPI_IN_PLACE ? GH_F_IN_PLACE : 0, t0, t1,
+	    type_bytes(datatype, (long)recvcount * (ci.size > 0 ? ci.size : 1)), &ci, -1, 0, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(MPI_Allgather);
+GH_EXPORT int MPI_Allgather(const void *sendbuf, int sendcount, MPI_Datatype sendtype,
+			    void *recvbuf, int recvcount, MPI_Datatype recvtype, MPI_Comm comm)
+{
+	__typeof__(&MPI_Allgather) real = REAL(MPI_Allgather);
+	struct gh_comm_info ci;
+	uint64_t t0, t1;
+	int rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm);
+	gh_gate();
+	t0 = gh_now_ns();
+	rc = real(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm);
+	t1 = gh_now_ns();
+	comm_info(comm, &ci);
+	/* Bytes gathered: the whole output (the send side may be MPI_IN_PLACE). */
+	rec(GH_OP_ALLGATHER, sendbuf == MPI_IN_PLACE ? GH_F_IN_PLACE : 0, t0, t1,
+	    type_bytes(recvtype, (long)recvcount * (ci.size > 0 ? ci.size : 1)), &ci, -1, 0, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(MPI_Bcast);
+GH_EXPORT int MPI_Bcast(void *buffer, int count, MPI_Datatype datatype, int root,
+			MPI_Comm comm)
+{
+	__typeof__(&MPI_Bcast) real = REAL(MPI_Bcast);
+	struct gh_comm_info ci;
+	uint64_t t0, t1;
+	int rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(buffer, count, datatype, root, comm);
+	gh_gate();
+	t0 = gh_now_ns();
+	rc = real(buffer, count, datatype, root, comm);
+	t1 = gh_now_ns();
+	comm_info(comm, &ci);
+	rec(GH_OP_BROADCAST, 0, t0, t1, type_bytes(datatype, count), &ci, root, 0, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(MPI_Reduce);
+GH_EXPORT int MPI_Reduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype datatype,
+			 MPI_Op op, int root, MPI_Comm comm)
+{
+	__typeof__(&MPI_Reduce) real = REAL(MPI_Reduce);
+	struct gh_comm_info ci;
+	uint64_t t0, t1;
+	int rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(sendbuf, recvbuf, count, datatype, op, root, comm);
+	gh_gate();
+	t0 = gh_now_ns();
+	rc = real(sendbuf, recvbuf, count, datatype, op, root, comm);
+	t1 = gh_now_ns();
+	comm_info(comm, &ci);
+	rec(GH_OP_REDUCE, sendbuf == MPI_IN_PLACE ? GH_F_IN_PLACE : 0, t0, t1,
+	    type_bytes(datatype, count), &ci, root, 0, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(MPI_Barrier);
+GH_EXPORT int MPI_Barrier(MPI_Comm comm)
+{
+	__typeof__(&MPI_Barrier) real = REAL(MPI_Barrier);
+	struct gh_comm_info ci;
+	uint64_t t0, t1;
+	int rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(comm);
+	gh_gate();
+	t0 = gh_now_ns();
+	rc = real(comm);
+	t1 = gh_now_ns();
+	comm_info(comm, &ci);
+	rec(GH_OP_BARRIER, 0, t0, t1, 0, &ci, -1, 0, rc);
+	gh_leave();
+	return rc;
+}
+
+/* ---- point to point ------------------------------------------------------- */
+
+DECLARE_REAL(MPI_Send);
+GH_EXPORT int MPI_Send(const void *buf, int count, MPI_Datatype datatype, int dest, int tag,
+		       MPI_Comm comm)
+{
+	__typeof__(&MPI_Send) real = REAL(MPI_Send);
+	struct gh_comm_info ci;
+	uint64_t t0, t1;
+	int rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(buf, count, datatype, dest, tag, comm);
+	gh_gate();
+	t0 = gh_now_ns();
+	rc = real(buf, count, datatype, dest, tag, comm);
+	t1 = gh_now_ns();
+	comm_info(comm, &ci);
+	rec(GH_OP_SEND, 0, t0, t1, type_bytes(datatype, count), &ci, dest, 0, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(MPI_Recv);
+GH_EXPORT int MPI_Recv(void *buf, int count, MPI_Datatype datatype, int source, int tag,
+		       MPI_Comm comm, MPI_Status *status)
+{
+	__typeof__(&MPI_Recv) real = REAL(MPI_Recv);
+	struct gh_comm_info ci;
+	uint64_t t0, t1;
+	int rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(buf, count, datatype, source, tag, comm, status);
+	gh_gate();
+	t0 = gh_now_ns();
+	rc = real(buf, count, datatype, source, tag, comm, status);
+	t1 = gh_now_ns();
+	comm_info(comm, &ci);
+	if (source == MPI_ANY_SOURCE && status != MPI_STATUS_IGNORE && rc == MPI_SUCCESS)
+		source = status->MPI_SOURCE;
+	rec(GH_OP_RECV, 0, t0, t1, type_bytes(datatype, count), &ci, source, 0, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(MPI_Sendrecv);
+GH_EXPORT int MPI_Sendrecv(const void *sendbuf, int sendcount, MPI_Datatype sendtype, int dest,
+			   int sendtag, void *recvbuf, int recvcount, MPI_Datatype recvtype,
+			   int source, int recvtag, MPI_Comm comm, MPI_Status *status)
+{
+	__typeof__(&MPI_Sendrecv) real = REAL(MPI_Sendrecv);
+	struct gh_comm_info ci;
+	uint64_t t0, t1;
+	int rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(sendbuf, sendcount, sendtype, dest, sendtag, recvbuf, recvcount,
+			    recvtype, source, recvtag, comm, status);
+	gh_gate();
+	t0 = gh_now_ns();
+	rc = real(sendbuf, sendcount, sendtype, dest, sendtag, recvbuf, recvcount, recvtype,
+		  source, recvtag, comm, status);
+	t1 = gh_now_ns();
+	comm_info(comm, &ci);
+	/* One record: bytes sent, peer = destination (the receive side is symmetric). */
+	rec(GH_OP_SENDRECV, 0, t0, t1, type_bytes(sendtype, sendcount), &ci, dest, 0, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(MPI_Isend);
+GH_EXPORT int MPI_Isend(const void *buf, int count, MPI_Datatype datatype, int dest, int tag,
+			MPI_Comm comm, MPI_Request *request)
+{
+	__typeof__(&MPI_Isend) real = REAL(MPI_Isend);
+	struct gh_comm_info ci;
+	uint64_t t0, t1;
+	int rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(buf, count, datatype, dest, tag, comm, request);
+	gh_gate();
+	t0 = gh_now_ns();
+	rc = real(buf, count, datatype, dest, tag, comm, request);
+	t1 = gh_now_ns();
+	comm_info(comm, &ci);
+	rec(GH_OP_SEND, GH_F_ASYNC, t0, t1, type_bytes(datatype, count), &ci, dest,
+	    request ? (uint64_t)(uintptr_t)*request : 0, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(MPI_Irecv);
+GH_EXPORT int MPI_Irecv(void *buf, int count, MPI_Datatype datatype, int source, int tag,
+			MPI_Comm comm, MPI_Request *request)
+{
+	__typeof__(&MPI_Irecv) real = REAL(MPI_Irecv);
+	struct gh_comm_info ci;
+	uint64_t t0, t1;
+	int rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(buf, count, datatype, source, tag, comm, request);
+	gh_gate();
+	t0 = gh_now_ns();
+	rc = real(buf, count, datatype, source, tag, comm, request);
+	t1 = gh_now_ns();
+	comm_info(comm, &ci);
+	rec(GH_OP_RECV, GH_F_ASYNC, t0, t1, type_bytes(datatype, count), &ci, source,
+	    request ? (uint64_t)(uintptr_t)*request : 0, rc);
+	gh_leave();
+	return rc;
+}
+
+/* ---- completion ----------------------------------------------------------- */
+
+static const struct gh_comm_info no_comm = { .comm_id = 0, .size = -1, .rank = -1 };
+
+DECLARE_REAL(MPI_Wait);
+GH_EXPORT int MPI_Wait(MPI_Request *request, MPI_Status *status)
+{
+	__typeof__(&MPI_Wait) real = REAL(MPI_Wait);
+	uint64_t t0, t1, req;
+	int rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(request, status);
+	gh_gate();
+	req = request ? (uint64_t)(uintptr_t)*request : 0; /* the call resets it */
+	t0 = gh_now_ns();
+	rc = real(request, status);
+	t1 = gh_now_ns();
+	rec(GH_OP_WAIT, 0, t0, t1, 0, &no_comm, -1, req, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(MPI_Waitall);
+GH_EXPORT int MPI_Waitall(int count, MPI_Request array_of_requests[],
+			  MPI_Status array_of_statuses[])
+{
+	__typeof__(&MPI_Waitall) real = REAL(MPI_Waitall);
+	uint64_t t0, t1, reqs[WAIT_TRACKED];
+	int n, rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(count, array_of_requests, array_of_statuses);
+	gh_gate();
+	n = count <= WAIT_TRACKED && array_of_requests ? count : 0;
+	for (int i = 0; i < n; i++)
+		reqs[i] = (uint64_t)(uintptr_t)array_of_requests[i];
+	t0 = gh_now_ns();
+	rc = real(count, array_of_requests, array_of_statuses);
+	t1 = gh_now_ns();
+	if (n == 0 && count > 0) /* too many to list: one record for all */
+		rec(GH_OP_WAIT, 0, t0, t1, 0, &no_comm, -1, 0, rc);
+	for (int i = 0; i < n; i++)
+		rec(GH_OP_WAIT, 0, t0, t1, 0, &no_comm, -1, reqs[i], rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(MPI_Waitany);
+GH_EXPORT int MPI_Waitany(int count, MPI_Request array_of_requests[], int *index,
+			  MPI_Status *status)
+{
+	__typeof__(&MPI_Waitany) real = REAL(MPI_Waitany);
+	uint64_t t0, t1, reqs[WAIT_TRACKED];
+	int n, rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(count, array_of_requests, index, status);
+	gh_gate();
+	n = count <= WAIT_TRACKED && array_of_requests ? count : 0;
+	for (int i = 0; i < n; i++)
+		reqs[i] = (uint64_t)(uintptr_t)array_of_requests[i];
+	t0 = gh_now_ns();
+	rc = real(count, array_of_requests, index, status);
+	t1 = gh_now_ns();
+	rec(GH_OP_WAIT, 0, t0, t1, 0, &no_comm, -1,
+	    index && *index >= 0 && *index < n ? reqs[*index] : 0, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(MPI_Waitsome);
+GH_EXPORT int MPI_Waitsome(int incount, MPI_Request array_of_requests[], int *outcount,
+			   int array_of_indices[], MPI_Status array_of_statuses[])
+{
+	__typeof__(&MPI_Waitsome) real = REAL(MPI_Waitsome);
+	uint64_t t0, t1, reqs[WAIT_TRACKED];
+	int n, rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!gh_enter())
+		return real(incount, array_of_requests, outcount, array_of_indices,
+			    array_of_statuses);
+	gh_gate();
+	n = incount <= WAIT_TRACKED && array_of_requests ? incount : 0;
+	for (int i = 0; i < n; i++)
+		reqs[i] = (uint64_t)(uintptr_t)array_of_requests[i];
+	t0 = gh_now_ns();
+	rc = real(incount, array_of_requests, outcount, array_of_indices, array_of_statuses);
+	t1 = gh_now_ns();
+	if (outcount && array_of_indices && *outcount != MPI_UNDEFINED) {
+		for (int k = 0; k < *outcount; k++) {
+			int i = array_of_indices[k];
+
+			rec(GH_OP_WAIT, 0, t0, t1, 0, &no_comm, -1, i >= 0 && i < n ? reqs[i] : 0, rc);
+		}
+	}
+	gh_leave();
+	return rc;
+}
+
+/* ---- communicator lifetime ------------------------------------------------ */
+
+DECLARE_REAL(MPI_Comm_free);
+GH_EXPORT int MPI_Comm_free(MPI_Comm *comm)
+{
+	__typeof__(&MPI_Comm_free) real = REAL(MPI_Comm_free);
+	struct gh_comm_info ci;
+	uint64_t handle;
+	int known, rc;
+
+	if (GH_UNLIKELY(!real))
+		return MPI_ERR_INTERN;
+	if (!comm || !gh_enter())
+		return real(comm);
+	handle = handle_of(*comm);
+	known = gh_comm_lookup(GH_SRC_MPI, handle, &ci);
+	rc = real(comm);
+	if (known && rc == MPI_SUCCESS) {
+		/* The handle may be reused for another communicator: forget it. */
+		gh_comm_remove(GH_SRC_MPI, handle);
+		gh_comm_retire(ci.comm_id);
+		gh_record(GH_OP_COMM_DESTROY, GH_SRC_MPI, ci.flags, gh_now_ns(), gh_now_ns(), 0,
+			  ci.comm_id, ci.rank, 0, rc);
+	}
+	gh_leave();
+	return rc;
+}

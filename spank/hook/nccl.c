@@ -1,0 +1,626 @@
+/*
+ * greyhound hook: NCCL interposition.
+ *
+ * NCCL calls only enqueue work on a CUDA stream, so a record's t_end is when
+ * the call returned (GH_F_ASYNC). With GREYHOUND_TRACE=on the hook also
+ * brackets each operation with two CUDA timing events on the caller's stream
+ * and, when a later NCCL call finds them complete, writes a GH_OP_DONE record
+ * whose t_end - t_start is the device time. Inside ncclGroupStart/End the
+ * kernels are launched at the outermost ncclGroupEnd, so the closing events
+ * are recorded there. The CUDA runtime is looked up among the loaded objects;
+ * without one there is no device timing and nothing else changes.
+ *
+ * Communicator ids: FNV-1a over the ncclUniqueId (the same bytes on every
+ * member); a split's id is FNV-1a over (parent id, colour, n-th split of the
+ * parent), all of which the members agree on.
+ */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <string.h>
+
+#include <nccl.h>
+
+#include "hook.h"
+
+#define DECLARE_REAL(fn) static void *real_##fn
+#define REAL(fn) ((__typeof__(&fn))gh_resolve(&real_##fn, #fn))
+
+DECLARE_REAL(ncclCommCount);
+DECLARE_REAL(ncclCommUserRank);
+
+static __thread int group_depth __attribute__((tls_model("initial-exec")));
+static __thread uint64_t group_t0 __attribute__((tls_model("initial-exec")));
+static __thread uint32_t group_ops __attribute__((tls_model("initial-exec")));
+
+static uint64_t dtype_bytes(ncclDataType_t t, size_t count)
+{
+	static const uint8_t size[] = { 1, 1, 4, 4, 8, 8, 2, 4, 8, 2, 1, 1 };
+
+	if ((unsigned)t >= sizeof(size))
+		return 0;
+	return (uint64_t)count * size[t];
+}
+
+/* ---- device timing (GREYHOUND_TRACE=on) ---------------------------------- */
+
+typedef int (*event_create_fn)(void **event, unsigned int flags);
+typedef int (*event_record_fn)(void *event, void *stream);
+typedef int (*event_query_fn)(void *event);
+typedef int (*event_elapsed_fn)(float *ms, void *start, void *end);
+
+#define EV_SLOTS 256u          /* operations in flight with timing */
+#define EV_GROUP_MAX 64u       /* operations of one group timed */
+enum { EV_FREE = 0, EV_STARTED = 1, EV_PENDING = 2 };
+
+struct ev_slot {
+	void *start, *end;
+	void *stream;
+	uint64_t seq, t_start_ns, size_bytes, comm_id;
+	uint16_t op;
+	int32_t peer;
+	uint32_t state;
+};
+
+static struct {
+	int ready;                 /* 0 unknown, 1 usable, -1 unavailable */
+	int busy;                  /* try-lock: a thread that finds it taken skips timing */
+	event_create_fn create;
+	event_record_fn record;
+	event_query_fn query;
+	event_elapsed_fn elapsed;
+	uint64_t head, tail;       /* FIFO of slots, completed in stream order */
+	struct ev_slot slot[EV_SLOTS];
+} ev;
+
+static __thread uint32_t group_slots[EV_GROUP_MAX] __attribute__((tls_model("initial-exec")));
+static __thread uint32_t group_num_slots __attribute__((tls_model("initial-exec")));
+
+static int ev_trylock(void)
+{
+	return __atomic_exchange_n(&ev.busy, 1, __ATOMIC_ACQUIRE) == 0;
+}
+
+static void ev_unlock(void)
+{
+	__atomic_store_n(&ev.busy, 0, __ATOMIC_RELEASE);
+}
+
+/* Called with the try-lock held. */
+static int ev_setup(void)
+{
+	if (ev.ready)
+		return ev.ready > 0;
+	ev.ready = -1;
+	if (!(gh_hdr->hook_flags & GH_HOOK_TRACE))
+		return 0;
+	ev.create = (event_create_fn)gh_lookup_loaded("cudaEventCreateWithFlags");
+	ev.record = (event_record_fn)gh_lookup_loaded("cudaEventRecord");
+	ev.query = (event_query_fn)gh_lookup_loaded("cudaEventQuery");
+	ev.elapsed = (event_elapsed_fn)gh_lookup_loaded("cudaEventElapsedTime");
+	if (!ev.create || !ev.record || !ev.query || !ev.elapsed) {
+		gh_log_once(GH_P_CUDA, "GREYHOUND_TRACE=on but no CUDA runtime is loaded; NCCL ops are not device-timed");
+		return 0;
+	}
+	for (uint32_t i = 0; i < EV_SLOTS; i++) {
+		if (ev.create(&ev.slot[i].start, 0) != 0 || ev.create(&ev.slot[i].end, 0) != 0) {
+			gh_log_once(GH_P_CUDA, "cudaEventCreateWithFlags failed; NCCL ops are not device-timed");
+			return 0; /* events already made are kept: a one-off, bounded cost */
+		}
+	}
+	ev.ready = 1;
+	return 1;
+}
+
+/* Writes DONE records for operations whose closing event has completed. */
+static void ev_poll_locked(void)
+{
+	while (ev.head != ev.tail) {
+		struct ev_slot *s = &ev.slot[ev.head % EV_SLOTS];
+		float ms = 0;
+
+		if (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) == EV_STARTED)
+			break;      /* its call or group is not finished yet */
+		if (ev.query(s->end) != 0)
+			break;      /* not done (or an error: retried next time) */
+		if (s->seq && ev.elapsed(&ms, s->start, s->end) == 0 && ms >= 0)
+			gh_record(GH_OP_DONE, GH_SRC_NCCL, GH_F_DEVICE_TIMED, s->t_start_ns,
+				  s->t_start_ns + (uint64_t)((double)ms * 1e6), s->size_bytes,
+				  s->comm_id, s->peer, s->seq, 0);
+		s->state = EV_FREE;
+		ev.head++;
+	}
+}
+
+/* Records the opening event; returns the slot or -1 (no timing for this op). */
+static int ev_begin(void *stream)
+{
+	int idx = -1;
+
+	if (!(gh_hdr->hook_flags & GH_HOOK_TRACE) || !ev_trylock())
+		return -1;
+	if (!ev_setup())
+		goto out;
+	ev_poll_locked();
+	if (ev.tail - ev.head >= EV_SLOTS ||
+	    (group_depth > 0 && group_num_slots >= EV_GROUP_MAX)) {
+		__atomic_fetch_add(&gh_hdr->events_skipped, 1, __ATOMIC_RELAXED);
+		goto out;
+	}
+	idx = (int)(ev.tail % EV_SLOTS);
+	if (ev.record(ev.slot[idx].start, stream) != 0) {
+		idx = -1;
+		goto out;
+	}
+	ev.slot[idx].state = EV_STARTED;
+	ev.slot[idx].stream = stream;
+	ev.tail++;
+out:
+	ev_unlock();
+	return idx;
+}
+
+static void ev_close(struct ev_slot *s)
+{
+	/* If the closing event cannot be recorded, the opening one alone is useless. */
+	if (ev.record(s->end, s->stream) != 0)
+		s->seq = 0;
+	/* The slot is this thread's until it is marked pending. */
+	__atomic_store_n(&s->state, EV_PENDING, __ATOMIC_RELEASE);
+}
+
+static void ev_end(int idx, uint64_t seq, uint64_t t_start_ns, uint64_t size_bytes,
+		   uint64_t comm_id, uint16_t op, int32_t peer)
+{
+	struct ev_slot *s = &ev.slot[idx];
+
+	s->seq = seq;
+	s->t_start_ns = t_start_ns;
+	s->size_bytes = size_bytes;
+	s->comm_id = comm_id;
+	s->op = op;
+	s->peer = peer;
+	if (group_depth > 0) {
+		group_slots[group_num_slots++] = (uint32_t)idx;
+		return; /* closed at the outermost ncclGroupEnd */
+	}
+	ev_close(s);
+}
+
+static void ev_group_end(void)
+{
+	for (uint32_t i = 0; i < group_num_slots; i++)
+		ev_close(&ev.slot[group_slots[i]]);
+	group_num_slots = 0;
+}
+
+void gh_nccl_atfork_child(void)
+{
+	/* CUDA does not survive fork: the child never times device work. */
+	ev.ready = -1;
+	ev.busy = 0;
+	group_depth = 0;
+	group_num_slots = 0;
+}
+
+/* ---- communicators -------------------------------------------------------- */
+
+static void comm_info(ncclComm_t comm, struct gh_comm_info *ci)
+{
+	__typeof__(&ncclCommCount) count;
+	__typeof__(&ncclCommUserRank) user_rank;
+
+	if (GH_LIKELY(gh_comm_lookup(GH_SRC_NCCL, (uint64_t)(uintptr_t)comm, ci)))
+		return;
+	/* Made by a call the hook does not wrap: the id is only process-local. */
+	count = REAL(ncclCommCount);
+	user_rank = REAL(ncclCommUserRank);
+	memset(ci, 0, sizeof(*ci));
+	ci->size = -1;
+	ci->rank = -1;
+	if (count && count(comm, &ci->size) != ncclSuccess)
+		ci->size = -1;
+	if (user_rank && user_rank(comm, &ci->rank) != ncclSuccess)
+		ci->rank = -1;
+	ci->comm_id = gh_fnv1a(GH_FNV_OFFSET, &comm, sizeof(comm));
+	ci->flags = GH_F_LOCAL_COMM;
+	gh_comm_insert(GH_SRC_NCCL, (uint64_t)(uintptr_t)comm, ci);
+	gh_comm_publish(ci->comm_id, 0, ci->size, ci->rank, GH_SRC_NCCL, -1);
+}
+
+static void comm_created(ncclComm_t comm, uint64_t comm_id, uint64_t parent_id, int size,
+			 int rank, int color, uint16_t op, uint64_t t0, ncclResult_t rc)
+{
+	struct gh_comm_info ci = { .comm_id = comm_id, .size = size, .rank = rank };
+
+	gh_comm_insert(GH_SRC_NCCL, (uint64_t)(uintptr_t)comm, &ci);
+	gh_comm_publish(comm_id, parent_id, size, rank, GH_SRC_NCCL, color);
+	gh_record(op, GH_SRC_NCCL, rc == ncclInProgress ? GH_F_ASYNC : 0, t0, gh_now_ns(),
+		  (uint64_t)size, comm_id, rank, parent_id, rc);
+}
+
+/* ---- the common shape of an operation ------------------------------------- */
+
+struct call {
+	uint64_t t0;
+	int ev;
+};
+
+static inline void op_begin(struct call *c, void *stream)
+{
+	gh_gate();
+	c->ev = ev_begin(stream);
+	c->t0 = gh_now_ns();
+}
+
+static inline void op_end(struct call *c, uint16_t op, ncclComm_t comm, uint64_t bytes,
+			  int32_t peer, ncclResult_t rc)
+{
+	uint64_t t1 = gh_now_ns(), seq;
+	uint32_t flags = GH_F_ASYNC;
+	struct gh_comm_info ci;
+
+	comm_info(comm, &ci);
+	if (group_depth > 0) {
+		flags |= GH_F_GROUPED;
+		group_ops++;
+	}
+	if (rc != ncclSuccess && rc != ncclInProgress)
+		flags |= GH_F_ERROR;
+	seq = gh_record(op, GH_SRC_NCCL, flags | ci.flags, c->t0, t1, bytes, ci.comm_id, peer,
+			0, rc);
+	if (c->ev >= 0)
+		ev_end(c->ev, flags & GH_F_ERROR ? 0 : seq, c->t0, bytes, ci.comm_id, op, peer);
+}
+
+/* ---- communicator lifetime ------------------------------------------------ */
+
+DECLARE_REAL(ncclCommInitRank);
+GH_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId,
+					int rank)
+{
+	__typeof__(&ncclCommInitRank) real = REAL(ncclCommInitRank);
+	ncclResult_t rc;
+	uint64_t t0;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInternalError;
+	if (!gh_enter())
+		return real(comm, nranks, commId, rank);
+	t0 = gh_now_ns();
+	rc = real(comm, nranks, commId, rank);
+	if ((rc == ncclSuccess || rc == ncclInProgress) && comm)
+		comm_created(*comm, gh_fnv1a(GH_FNV_OFFSET, &commId, sizeof(commId)), 0, nranks,
+			     rank, -1, GH_OP_COMM_INIT, t0, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(ncclCommInitRankConfig);
+GH_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId commId,
+					      int rank, ncclConfig_t *config)
+{
+	__typeof__(&ncclCommInitRankConfig) real = REAL(ncclCommInitRankConfig);
+	ncclResult_t rc;
+	uint64_t t0;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInternalError;
+	if (!gh_enter())
+		return real(comm, nranks, commId, rank, config);
+	t0 = gh_now_ns();
+	rc = real(comm, nranks, commId, rank, config);
+	if ((rc == ncclSuccess || rc == ncclInProgress) && comm)
+		comm_created(*comm, gh_fnv1a(GH_FNV_OFFSET, &commId, sizeof(commId)), 0, nranks,
+			     rank, -1, GH_OP_COMM_INIT, t0, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(ncclCommInitRankScalable);
+GH_EXPORT ncclResult_t ncclCommInitRankScalable(ncclComm_t *newcomm, int nranks, int myrank,
+						int nId, ncclUniqueId *commIds,
+						ncclConfig_t *config)
+{
+	__typeof__(&ncclCommInitRankScalable) real = REAL(ncclCommInitRankScalable);
+	ncclResult_t rc;
+	uint64_t t0;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInvalidUsage; /* an NCCL older than 2.23 has no such call */
+	if (!gh_enter())
+		return real(newcomm, nranks, myrank, nId, commIds, config);
+	t0 = gh_now_ns();
+	rc = real(newcomm, nranks, myrank, nId, commIds, config);
+	if ((rc == ncclSuccess || rc == ncclInProgress) && newcomm && commIds && nId > 0)
+		comm_created(*newcomm,
+			     gh_fnv1a(GH_FNV_OFFSET, commIds, (unsigned long)nId * sizeof(*commIds)),
+			     0, nranks, myrank, -1, GH_OP_COMM_INIT, t0, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(ncclCommSplit);
+GH_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
+				     ncclConfig_t *config)
+{
+	__typeof__(&ncclCommSplit) real = REAL(ncclCommSplit);
+	__typeof__(&ncclCommCount) count;
+	__typeof__(&ncclCommUserRank) user_rank;
+	struct gh_comm_info parent;
+	ncclResult_t rc;
+	uint64_t t0, id;
+	uint32_t nth;
+	int size = -1, rank = -1;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInternalError;
+	if (!gh_enter())
+		return real(comm, color, key, newcomm, config);
+	comm_info(comm, &parent);
+	/* Every member of the parent calls split, so all agree on this count. */
+	nth = gh_comm_next_split(GH_SRC_NCCL, (uint64_t)(uintptr_t)comm);
+	t0 = gh_now_ns();
+	rc = real(comm, color, key, newcomm, config);
+	if ((rc == ncclSuccess || rc == ncclInProgress) && newcomm && *newcomm &&
+	    color != NCCL_SPLIT_NOCOLOR) {
+		count = REAL(ncclCommCount);
+		user_rank = REAL(ncclCommUserRank);
+		if (count && count(*newcomm, &size) != ncclSuccess)
+			size = -1;
+		if (user_rank && user_rank(*newcomm, &rank) != ncclSuccess)
+			rank = -1;
+		id = gh_fnv1a(GH_FNV_OFFSET, &parent.comm_id, sizeof(parent.comm_id));
+		id = gh_fnv1a_i32(gh_fnv1a_i32(id, color), (int32_t)nth);
+		comm_created(*newcomm, id, parent.comm_id, size, rank, color, GH_OP_COMM_SPLIT,
+			     t0, rc);
+	}
+	gh_leave();
+	return rc;
+}
+
+static ncclResult_t comm_end(void **cache, const char *name, ncclComm_t comm)
+{
+	ncclResult_t (*real)(ncclComm_t) = (ncclResult_t(*)(ncclComm_t))gh_resolve(cache, name);
+	struct gh_comm_info ci;
+	ncclResult_t rc;
+	int known;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInternalError;
+	if (!gh_enter())
+		return real(comm);
+	known = gh_comm_lookup(GH_SRC_NCCL, (uint64_t)(uintptr_t)comm, &ci);
+	rc = real(comm);
+	if (known) {
+		gh_comm_remove(GH_SRC_NCCL, (uint64_t)(uintptr_t)comm);
+		gh_comm_retire(ci.comm_id);
+		gh_record(GH_OP_COMM_DESTROY, GH_SRC_NCCL, ci.flags, gh_now_ns(), gh_now_ns(), 0,
+			  ci.comm_id, ci.rank, 0, rc);
+	}
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(ncclCommDestroy);
+GH_EXPORT ncclResult_t ncclCommDestroy(ncclComm_t comm)
+{
+	return comm_end(&real_ncclCommDestroy, "ncclCommDestroy", comm);
+}
+
+DECLARE_REAL(ncclCommAbort);
+GH_EXPORT ncclResult_t ncclCommAbort(ncclComm_t comm)
+{
+	return comm_end(&real_ncclCommAbort, "ncclCommAbort", comm);
+}
+
+/* ---- groups --------------------------------------------------------------- */
+
+DECLARE_REAL(ncclGroupStart);
+GH_EXPORT ncclResult_t ncclGroupStart(void)
+{
+	__typeof__(&ncclGroupStart) real = REAL(ncclGroupStart);
+	ncclResult_t rc;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInternalError;
+	if (!gh_enter())
+		return real();
+	gh_gate();
+	if (group_depth++ == 0) {
+		group_t0 = gh_now_ns();
+		group_ops = 0;
+		group_num_slots = 0;
+	}
+	rc = real();
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(ncclGroupEnd);
+GH_EXPORT ncclResult_t ncclGroupEnd(void)
+{
+	__typeof__(&ncclGroupEnd) real = REAL(ncclGroupEnd);
+	ncclResult_t rc;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInternalError;
+	if (!gh_enter())
+		return real();
+	rc = real();
+	if (group_depth > 0 && --group_depth == 0) {
+		/* The kernels were launched just now: close their timing events. */
+		ev_group_end();
+		gh_record(GH_OP_GROUP, GH_SRC_NCCL,
+			  (rc != ncclSuccess && rc != ncclInProgress) ? GH_F_ERROR : 0, group_t0,
+			  gh_now_ns(), group_ops, 0, -1, 0, rc);
+	}
+	gh_leave();
+	return rc;
+}
+
+/* ---- collectives and point to point --------------------------------------- */
+
+DECLARE_REAL(ncclAllReduce);
+GH_EXPORT ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
+				     ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+				     cudaStream_t stream)
+{
+	__typeof__(&ncclAllReduce) real = REAL(ncclAllReduce);
+	struct call c;
+	ncclResult_t rc;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInternalError;
+	if (!gh_enter())
+		return real(sendbuff, recvbuff, count, datatype, op, comm, stream);
+	op_begin(&c, stream);
+	rc = real(sendbuff, recvbuff, count, datatype, op, comm, stream);
+	op_end(&c, GH_OP_ALLREDUCE, comm, dtype_bytes(datatype, count), -1, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(ncclReduceScatter);
+GH_EXPORT ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
+					 ncclDataType_t datatype, ncclRedOp_t op,
+					 ncclComm_t comm, cudaStream_t stream)
+{
+	__typeof__(&ncclReduceScatter) real = REAL(ncclReduceScatter);
+	struct gh_comm_info ci;
+	struct call c;
+	ncclResult_t rc;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInternalError;
+	if (!gh_enter())
+		return real(sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
+	op_begin(&c, stream);
+	rc = real(sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
+	comm_info(comm, &ci);
+	/* Bytes reduced: the whole input, recvcount x ranks (as MPI's). */
+	op_end(&c, GH_OP_REDUCESCATTER, comm,
+	       dtype_bytes(datatype, recvcount * (size_t)(ci.size > 0 ? ci.size : 1)), -1, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(ncclAllGather);
+GH_EXPORT ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount,
+				     ncclDataType_t datatype, ncclComm_t comm,
+				     cudaStream_t stream)
+{
+	__typeof__(&ncclAllGather) real = REAL(ncclAllGather);
+	struct gh_comm_info ci;
+	struct call c;
+	ncclResult_t rc;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInternalError;
+	if (!gh_enter())
+		return real(sendbuff, recvbuff, sendcount, datatype, comm, stream);
+	op_begin(&c, stream);
+	rc = real(sendbuff, recvbuff, sendcount, datatype, comm, stream);
+	comm_info(comm, &ci);
+	/* Bytes gathered: the whole output, sendcount x ranks (as MPI's). */
+	op_end(&c, GH_OP_ALLGATHER, comm,
+	       dtype_bytes(datatype, sendcount * (size_t)(ci.size > 0 ? ci.size : 1)), -1, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(ncclBroadcast);
+GH_EXPORT ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count,
+				     ncclDataType_t datatype, int root, ncclComm_t comm,
+				     cudaStream_t stream)
+{
+	__typeof__(&ncclBroadcast) real = REAL(ncclBroadcast);
+	struct call c;
+	ncclResult_t rc;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInternalError;
+	if (!gh_enter())
+		return real(sendbuff, recvbuff, count, datatype, root, comm, stream);
+	op_begin(&c, stream);
+	rc = real(sendbuff, recvbuff, count, datatype, root, comm, stream);
+	op_end(&c, GH_OP_BROADCAST, comm, dtype_bytes(datatype, count), root, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(ncclBcast);
+GH_EXPORT ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t datatype, int root,
+				 ncclComm_t comm, cudaStream_t stream)
+{
+	__typeof__(&ncclBcast) real = REAL(ncclBcast);
+	struct call c;
+	ncclResult_t rc;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInternalError;
+	if (!gh_enter())
+		return real(buff, count, datatype, root, comm, stream);
+	op_begin(&c, stream);
+	rc = real(buff, count, datatype, root, comm, stream);
+	op_end(&c, GH_OP_BROADCAST, comm, dtype_bytes(datatype, count), root, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(ncclReduce);
+GH_EXPORT ncclResult_t ncclReduce(const void *sendbuff, void *recvbuff, size_t count,
+				  ncclDataType_t datatype, ncclRedOp_t op, int root,
+				  ncclComm_t comm, cudaStream_t stream)
+{
+	__typeof__(&ncclReduce) real = REAL(ncclReduce);
+	struct call c;
+	ncclResult_t rc;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInternalError;
+	if (!gh_enter())
+		return real(sendbuff, recvbuff, count, datatype, op, root, comm, stream);
+	op_begin(&c, stream);
+	rc = real(sendbuff, recvbuff, count, datatype, op, root, comm, stream);
+	op_end(&c, GH_OP_REDUCE, comm, dtype_bytes(datatype, count), root, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(ncclSend);
+GH_EXPORT ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype,
+				int peer, ncclComm_t comm, cudaStream_t stream)
+{
+	__typeof__(&ncclSend) real = REAL(ncclSend);
+	struct call c;
+	ncclResult_t rc;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInternalError;
+	if (!gh_enter())
+		return real(sendbuff, count, datatype, peer, comm, stream);
+	op_begin(&c, stream);
+	rc = real(sendbuff, count, datatype, peer, comm, stream);
+	op_end(&c, GH_OP_SEND, comm, dtype_bytes(datatype, count), peer, rc);
+	gh_leave();
+	return rc;
+}
+
+DECLARE_REAL(ncclRecv);
+GH_EXPORT ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer,
+				ncclComm_t comm, cudaStream_t stream)
+{
+	__typeof__(&ncclRecv) real = REAL(ncclRecv);
+	struct call c;
+	ncclResult_t rc;
+
+	if (GH_UNLIKELY(!real))
+		return ncclInternalError;
+	if (!gh_enter())
+		return real(recvbuff, count, datatype, peer, comm, stream);
+	op_begin(&c, stream);
+	rc = real(recvbuff, count, datatype, peer, comm, stream);
+	op_end(&c, GH_OP_RECV, comm, dtype_bytes(datatype, count), peer, rc);
+	gh_leave();
+	return rc;
+}
