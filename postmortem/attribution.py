@@ -24,7 +24,7 @@ REPORT_OPTYPES: dict[str, tuple[str, ...]] = {
     "forward-pp-comm": ("forward-send", "forward-recv"),
     "backward-pp-comm": ("backward-send", "backward-recv"),
 }
-EXACT_WORKER_LIMIT = 64  # above this many workers, per-worker S_w uses the study's approximation
+EXACT_WORKER_LIMIT = 16  # above this many workers, per-worker S_w uses the study's approximation
 TOP_WORKER_FRACTION = 0.03
 
 

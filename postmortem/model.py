@@ -64,9 +64,9 @@ class Level:
     """The template ops of one topological level, sorted by group."""
 
     ops: np.ndarray  # (n_l,) template op ids
-    group_starts: np.ndarray | None  # offsets for np.maximum.reduceat, None if all singletons
-    group_sizes: np.ndarray | None
-    spans_dp: np.ndarray  # (n_l,) bool: group reduces over the DP axis
+    pred: np.ndarray  # (n_l, k) predecessors of each op, trimmed to the level's max count
+    members: np.ndarray | None  # (n_l, g) level-local indices of each op's group, None if singletons
+    spans: np.ndarray | None  # level-local indices of ops whose group reduces over DP, None if none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -348,13 +348,17 @@ def _levels(pred: np.ndarray, group: np.ndarray, spans: np.ndarray, *, where: st
         g = group[chunk]
         gb = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
         sizes = np.diff(np.r_[gb, g.size])
-        multi = bool((sizes > 1).any())
+        members = None
+        if (sizes > 1).any():
+            gmax = int(sizes.max())
+            gid = np.repeat(np.arange(gb.size), sizes)
+            # pad each group's member list with its own first member (max is unchanged)
+            idx = gb[:, None] + np.minimum(np.arange(gmax)[None, :], sizes[:, None] - 1)
+            members = idx[gid]
+        pr = pred[chunk]
+        k = int(max(1, (pr != n_t).sum(axis=1).max()))
+        sp = np.flatnonzero(spans[chunk])
         out.append(
-            Level(
-                ops=chunk,
-                group_starts=gb if multi else None,
-                group_sizes=sizes if multi else None,
-                spans_dp=spans[chunk],
-            )
+            Level(ops=chunk, pred=np.ascontiguousarray(pr[:, :k]), members=members, spans=sp if sp.size else None)
         )
     return tuple(out)

@@ -77,31 +77,25 @@ def simulate(
 def _walk(model: Model, ideal: np.ndarray, keep: np.ndarray, record: bool):
     n_t, D, N = model.transfer.shape
     S = keep.shape[0]
-    real = model.transfer
-    present = model.present
+    real = model.transfer[:, None]  # (n_t, 1, D, N)
+    # idealised work, 0 where the op does not exist on a DP rank (uneven micro-batches)
+    ideal_full = np.where(model.present[:, :, None], ideal, 0.0)[:, None]  # (n_t, 1, D, N|1)
     end = np.zeros((n_t + 1, S, D, N))  # row n_t: the step's start, always 0
     launch_rec = np.zeros((n_t, S, D, N)) if record else None
-    keep_t = np.ascontiguousarray(keep.transpose(1, 0, 2))  # (n_t, S, D)
-    pred = model.pred
+    keep_t = np.ascontiguousarray(keep.transpose(1, 0, 2))[..., None]  # (n_t, S, D, 1)
     for lv in model.levels:
         ops = lv.ops
-        la = end[pred[ops]].max(axis=1)  # (n_l, S, D, N)
+        pr = lv.pred
+        la = end[pr[:, 0]] if pr.shape[1] == 1 else end[pr].max(axis=1)  # (n_l, S, D, N)
         if record:
             launch_rec[ops] = la
         g = la
-        if lv.spans_dp.any():
+        if lv.spans is not None:
             g = g.copy()
-            sp = lv.spans_dp
-            g[sp] = g[sp].max(axis=2, keepdims=True)
-        if lv.group_starts is not None:
-            g = np.repeat(np.maximum.reduceat(g, lv.group_starts, axis=0), lv.group_sizes, axis=0)
-        ide = ideal[ops] if ideal.shape[1:] == (1, 1) else ideal[ops]
-        work = np.where(
-            keep_t[ops][..., None],
-            real[ops][:, None],
-            np.where(present[ops][:, None, :, None], ide[:, None], 0.0),
-        )
-        end[ops] = g + work
+            g[lv.spans] = g[lv.spans].max(axis=2, keepdims=True)
+        if lv.members is not None:
+            g = g[lv.members].max(axis=1)
+        end[ops] = g + np.where(keep_t[ops], real[ops], ideal_full[ops])
     step_time = end[:n_t].max(axis=(0, 2))  # (S, N)
     if record:
         return step_time, launch_rec.transpose(1, 0, 2, 3), end[:n_t].transpose(1, 0, 2, 3)

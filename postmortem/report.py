@@ -1,0 +1,174 @@
+"""Report files of a post-mortem: HTML, heatmap PNG, per-step plot, JSON, Chrome trace.
+
+The only module here that writes files; everything it shows comes from ``Result``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from postmortem.analysis import Result, summary_line
+from postmortem.idealize import __doc__ as IDEAL_DOC
+from postmortem.schema import OPTYPES
+from postmortem.simulate import simulate
+
+log = logging.getLogger(__name__)
+MAX_TRACE_EVENTS = 200_000
+
+
+def write_report(result: Result, out_dir: str | os.PathLike) -> Path:
+    """Write the report into ``out_dir`` (created); returns the HTML path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = result.to_json()
+    _atomic_write(out / "postmortem.json", json.dumps(data, indent=2))
+    _heatmap_png(result, out / "heatmap.png")
+    _steps_png(result, out / "step_slowdown.png")
+    _atomic_write(out / "timeline.trace.json", json.dumps(chrome_trace(result)))
+    page = out / "report.html"
+    _atomic_write(page, _html(result, data, summary_line(result, str(page))))
+    return page
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _heatmap_png(result: Result, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a = result.attribution
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, mat, title in (
+        (axes[0], a.worker_slowdown, "S_w per worker" + ("" if a.worker_slowdown_exact else " (min of DP/PP S_w)")),
+        (axes[1], a.ideal.cell_ratio, "compute time / ideal"),
+    ):
+        im = ax.imshow(mat.T, aspect="auto", origin="lower", cmap="Reds")
+        ax.set_xlabel("DP rank")
+        ax.set_ylabel("PP rank")
+        ax.set_title(title)
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _steps_png(result: Result, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a, m = result.attribution, result.model
+    fig, ax = plt.subplots(figsize=(8, 3))
+    x = np.arange(m.steps.size)
+    ax.plot(x, a.step_slowdown, marker="o", ms=3)
+    ax.axhline(a.slowdown, color="grey", ls="--", lw=1, label=f"S = {a.slowdown:.3f}")
+    ax.set_xticks(x[:: max(1, x.size // 12)])
+    ax.set_xticklabels([str(int(s)) for s in m.steps[:: max(1, x.size // 12)]])
+    ax.set_xlabel("step")
+    ax.set_ylabel("slowdown")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def chrome_trace(result: Result) -> dict:
+    """Chrome/Perfetto trace of the first analysed step: real (pid 1) and idealised (pid 2)."""
+    m, a = result.model, result.attribution
+    one = replace(
+        m,
+        steps=m.steps[:1],
+        start=m.start[:, :, :1],
+        duration=m.duration[:, :, :1],
+        transfer=m.transfer[:, :, :1],
+        real_step_time=m.real_step_time[:1],
+    )
+    keep = np.zeros((1, m.num_template_ops, m.dp), bool)
+    sim = simulate(one, ideal=a.ideal.work, keep_real=keep, record=True)
+    n_t = m.num_template_ops
+    ranks = list(range(m.dp))
+    if n_t * m.dp * 2 > MAX_TRACE_EVENTS:
+        top = a.mw_workers[0][0] if a.mw_workers else 0
+        per = max(1, MAX_TRACE_EVENTS // (2 * n_t))
+        ranks = sorted({top, *range(min(m.dp, per - 1))})
+    events: list[dict] = []
+    for pid, name in ((1, f"real (step {int(m.steps[0])})"), (2, "idealised")):
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
+    for d in ranks:
+        for p in range(m.pp):
+            tid = d * m.pp + p
+            for pid in (1, 2):
+                events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"dp{d}/pp{p}"}})
+    names = [OPTYPES[int(c)] for c in m.t_optype]
+    for d in ranks:
+        for t in range(n_t):
+            if not m.present[t, d]:
+                continue
+            tid = d * m.pp + int(m.t_pp[t])
+            args = {"occurrence": int(m.t_occ[t])}
+            events.append(
+                {"ph": "X", "pid": 1, "tid": tid, "name": names[t], "ts": float(m.start[t, d, 0]) * 1e6,
+                 "dur": float(m.duration[t, d, 0]) * 1e6, "args": args}
+            )
+            st = float(sim.launch[0, t, d, 0])
+            events.append(
+                {"ph": "X", "pid": 2, "tid": tid, "name": names[t], "ts": st * 1e6,
+                 "dur": max(0.0, float(sim.end[0, t, d, 0]) - st) * 1e6, "args": args}
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _table(rows: list[tuple], head: tuple) -> str:
+    h = "".join(f"<th>{html.escape(str(c))}</th>" for c in head)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{h}</tr>{body}</table>"
+
+
+def _html(result: Result, data: dict, line: str) -> str:
+    a = result.attribution
+    causes = "".join(
+        f"<li><b>{html.escape(c['cause'])}</b> (confidence {c['confidence']:.2f}): "
+        f"<code>{html.escape(json.dumps(c['evidence']))}</code><br>remedy: {html.escape(c['remedy'])}</li>"
+        for c in data["causes"]
+    ) or "<li>no straggler signature above its threshold</li>"
+    dropped = "".join(f"<li>{html.escape(x)}</li>" for x in data["dropped"]) or "<li>nothing</li>"
+    optypes = _table([(k, f"{v:.4f}") for k, v in data["by_optype"].items()], ("op type", "S_t"))
+    dps = _table([(k, f"{v:.4f}") for k, v in data["by_dp_rank"].items()], ("DP rank", "S_w"))
+    pps = _table([(k, f"{v:.4f}") for k, v in data["by_pp_rank"].items()], ("PP rank", "S_w"))
+    job = data["job"]
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>greyhound post-mortem</title>
+<style>body{{font-family:sans-serif;max-width:1000px;margin:2em auto}}table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}code{{font-size:85%}}</style></head><body>
+<h1>greyhound post-mortem</h1>
+<p><b>{html.escape(line)}</b></p>
+<h2>Summary</h2>
+<ul><li>slowdown S = T / T_ideal = {a.slowdown:.4f} ({data['gpu_time_lost'] * 100:.1f}% of GPU time lost to stragglers)</li>
+<li>mean step: traced {a.t_real:.4f} s, replayed {a.t_replay:.4f} s (simulation error {a.simulation_error * 100:+.2f}%),
+idealised {a.t_ideal:.4f} s</li>
+<li>M_W (top 3% workers) = {a.mw:.3f}; M_S (last stage) = {a.ms:.3f}</li>
+<li>job: DP {job['dp']} x PP {job['pp']}, {job['steps_analysed']} steps analysed, {job['ops']} ops, source {html.escape(str(job['source']))}</li>
+<li>estimator: {html.escape(a.ideal.estimator)}</li></ul>
+<h2>Dropped while loading</h2><ul>{dropped}</ul>
+<h2>Causes</h2><ul>{causes}</ul>
+<h2>Heatmap</h2><img src="heatmap.png" alt="DP x PP heatmap">
+<h2>Per-step slowdown</h2><img src="step_slowdown.png" alt="per-step slowdown">
+<h2>Per op type (S_t)</h2>{optypes}
+<h2>Per DP rank and PP rank (S_w)</h2><div style="display:flex;gap:2em">{dps}{pps}</div>
+<h2>Timeline</h2><p>timeline.trace.json: the first analysed step, real and idealised; open it in
+<a href="https://ui.perfetto.dev">Perfetto</a> or chrome://tracing.</p>
+<h2>How the ideal is estimated</h2><pre>{html.escape(IDEAL_DOC or '')}</pre>
+</body></html>"""
