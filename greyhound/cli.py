@@ -37,6 +37,7 @@ def main(verbose: int) -> None:
 
 # (module, attribute) of each subcommand; one line per command.
 _SUBCOMMANDS: list[tuple[str, str]] = [
+    ("postmortem.cli", "postmortem"),
 ]
 
 
