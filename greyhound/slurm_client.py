@@ -1,0 +1,306 @@
+"""The Slurm client: the only module that talks to Slurm (scontrol, sacct, sacctmgr).
+
+Two backends behind one interface:
+
+- ``CommandLineClient`` runs Slurm's own commands with argument lists (never a shell)
+  and parses their ``--parsable`` output with an unusual delimiter, so that a ``|`` in
+  a job name or comment cannot break a row.
+- ``PySlurmClient`` is used when an importable pyslurm matches the running Slurm's
+  major.minor version. PyPI has no pyslurm for Debian 12's Slurm 22.05, so there the
+  command-line backend is the one in use; :func:`connect` says which and why.
+
+Job comments. While a job runs, ``scontrol update job=X comment=...`` sets the
+comment with its case kept. After the job has ended only the accounting record can be
+changed, and Slurm 22.05's ``sacctmgr modify job set Comment=`` lowercases the value.
+To keep the case, :meth:`CommandLineClient.set_comment` writes the ended job's comment
+through slurmdbd's own storage (the ``derived_es`` column that sacct shows as
+``Comment``), with the credentials of slurmdbd.conf, when this host can read them (the
+epilog runs as root on the controller); only otherwise does it fall back to sacctmgr,
+and says that the case is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Protocol
+
+from greyhound.errors import InputError, SlurmError
+
+log = logging.getLogger(__name__)
+
+COMMENT_MAX_LEN = 1024
+"""Slurm's limit on a job comment."""
+
+_DELIMITER = "\x1f|\x1f"
+_JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")
+_SLURMDBD_CONF = Path("/etc/slurm/slurmdbd.conf")
+_SACCT_FIELDS = (
+    "JobID", "JobName", "User", "State", "ExitCode", "Cluster", "NodeList", "NNodes",
+    "NTasks", "Submit", "Start", "End", "ElapsedRaw", "WorkDir", "Comment",
+)
+_TIMEOUT_S = 30
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class JobRecord:
+    """One job as Slurm accounting knows it (the allocation line of sacct)."""
+
+    job_id: str
+    name: str
+    user: str
+    state: str
+    """Base state, e.g. RUNNING, COMPLETED, FAILED (without "by 0" suffixes)."""
+    exit_code: str
+    cluster: str
+    node_list: str
+    num_nodes: int
+    submit: str
+    start: str
+    end: str
+    elapsed_s: int
+    work_dir: str
+    comment: str
+
+    @property
+    def running(self) -> bool:
+        return self.state in ("RUNNING", "PENDING", "REQUEUED", "SUSPENDED", "CONFIGURING")
+
+
+class SlurmClient(Protocol):
+    backend: str
+
+    def job(self, job_id: str) -> JobRecord: ...
+
+    def set_comment(self, job_id: str, comment: str) -> None: ...
+
+    @staticmethod
+    def _live_state(job_id: str) -> str:
+        """The controller's view of a job's state ("" once it has left the queue)."""
+        try:
+            out = _run(["squeue", "-h", "-j", job_id, "-o", "%T"], what=f"job {job_id}")
+        except SlurmError:
+            return ""  # squeue fails for a job id the controller has already purged
+        return out.strip().split("\n")[0] if out.strip() else ""
+
+    def hostnames(self, node_list: str) -> list[str]: ...
+
+
+def check_job_id(job_id: str | int) -> str:
+    """Returns job_id as a string, or raises InputError if it is not a Slurm job id."""
+    text = str(job_id).strip()
+    if not _JOB_ID.match(text):
+        raise InputError(f"{job_id!r} is not a job id; use a number such as 1234 (or 1234_5 for an array task)")
+    return text
+
+
+def merge_comment(existing: str, summary: str, *, prefix: str = "greyhound:") -> str:
+    """The job comment with greyhound's summary, keeping the user's own comment.
+
+    An earlier greyhound summary is replaced, not repeated. The user's text is kept
+    whole; the summary is shortened to fit Slurm's 1024-character limit.
+    """
+    if "\n" in summary or "\r" in summary:
+        raise InputError("a job comment must be one line")
+    user_part = existing.split(prefix, 1)[0].rstrip(" |") if existing else ""
+    if not user_part:
+        return summary[:COMMENT_MAX_LEN]
+    room = COMMENT_MAX_LEN - len(user_part) - 3
+    if room <= len(prefix):
+        return user_part[:COMMENT_MAX_LEN]
+    return f"{user_part} | {summary[:room]}"
+
+
+def _run(argv: list[str], *, what: str) -> str:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False)
+    except FileNotFoundError as exc:
+        raise SlurmError(f"{what}: {argv[0]} not found; is Slurm installed and on PATH?") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise SlurmError(f"{what}: {argv[0]} did not answer within {_TIMEOUT_S}s") from exc
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip().splitlines()
+        raise SlurmError(f"{what}: {' '.join(argv[:2])} failed: {detail[-1] if detail else f'exit {proc.returncode}'}")
+    return proc.stdout
+
+
+def _slurmdbd_storage() -> dict[str, str] | None:
+    """slurmdbd.conf's MySQL storage settings, or None where this host cannot read them."""
+    try:
+        text = _SLURMDBD_CONF.read_text()
+    except OSError:
+        return None
+    conf: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "=" in line:
+            key, value = line.split("=", 1)
+            conf[key.strip().lower()] = value.strip()
+    if conf.get("storagetype") != "accounting_storage/mysql":
+        return None
+    return conf
+
+
+class CommandLineClient:
+    """Slurm through scontrol, sacct and sacctmgr."""
+
+    backend = "command-line"
+
+    def job(self, job_id: str) -> JobRecord:
+        job_id = check_job_id(job_id)
+        out = _run(
+            ["sacct", "-X", "-n", "-P", f"--delimiter={_DELIMITER}", "-j", job_id,
+             "-o", ",".join(_SACCT_FIELDS)],
+            what=f"job {job_id}",
+        )
+        rows = [line for line in out.splitlines() if line.strip()]
+        if not rows:
+            raise SlurmError(f"job {job_id}: no accounting record; is it a job of this cluster?")
+        values = rows[-1].split(_DELIMITER)
+        if len(values) != len(_SACCT_FIELDS):
+            raise SlurmError(f"job {job_id}: sacct returned {len(values)} fields, expected {len(_SACCT_FIELDS)}")
+        row = dict(zip(_SACCT_FIELDS, values, strict=True))
+        return JobRecord(
+            job_id=row["JobID"], name=row["JobName"], user=row["User"],
+            state=row["State"].split()[0] if row["State"] else "",
+            exit_code=row["ExitCode"], cluster=row["Cluster"], node_list=row["NodeList"],
+            num_nodes=int(row["NNodes"] or 0), submit=row["Submit"], start=row["Start"],
+            end=row["End"], elapsed_s=int(row["ElapsedRaw"] or 0), work_dir=row["WorkDir"],
+            comment=row["Comment"],
+        )
+
+    @staticmethod
+    def _live_state(job_id: str) -> str:
+        """The controller's view of a job's state ("" once it has left the queue)."""
+        try:
+            out = _run(["squeue", "-h", "-j", job_id, "-o", "%T"], what=f"job {job_id}")
+        except SlurmError:
+            return ""  # squeue fails for a job id the controller has already purged
+        return out.strip().split("\n")[0] if out.strip() else ""
+
+    def hostnames(self, node_list: str) -> list[str]:
+        if not node_list or node_list in ("None assigned", "(null)"):
+            return []
+        return _run(["scontrol", "show", "hostnames", node_list], what="hostnames").split()
+
+    def set_comment(self, job_id: str, comment: str) -> None:
+        """Sets the job's comment, case kept (see the module docstring)."""
+        job_id = check_job_id(job_id)
+        if len(comment) > COMMENT_MAX_LEN:
+            raise InputError(f"a job comment has at most {COMMENT_MAX_LEN} characters, got {len(comment)}")
+        if self._live_state(job_id) in ("PENDING", "RUNNING", "SUSPENDED", "CONFIGURING", "REQUEUED"):
+            _run(["scontrol", "update", f"job={job_id}", f"comment={comment}"], what=f"job {job_id}")
+            return
+        record = self.job(job_id)
+        storage = _slurmdbd_storage()
+        if storage is not None:
+            try:
+                self._set_comment_in_storage(storage, record, comment)
+                return
+            except SlurmError as exc:
+                log.warning("%s; falling back to sacctmgr", exc)
+        log.warning("job %s: sacctmgr of Slurm 22.05 stores the comment in lower case", job_id)
+        _run(["sacctmgr", "-i", "modify", "job", "where", f"jobid={job_id}", "set", f"Comment={comment}"],
+             what=f"job {job_id}")
+
+    @staticmethod
+    def _set_comment_in_storage(storage: dict[str, str], record: JobRecord, comment: str) -> None:
+        import pymysql
+
+        table = f"{record.cluster}_job_table"
+        if not re.fullmatch(r"[A-Za-z0-9_]+", table):
+            raise SlurmError(f"job {record.job_id}: unexpected cluster name {record.cluster!r}")
+        try:
+            conn = pymysql.connect(
+                host=storage.get("storagehost", "localhost"),
+                port=int(storage.get("storageport", "3306")),
+                user=storage.get("storageuser", "slurm"),
+                password=storage.get("storagepass", ""),
+                database=storage.get("storageloc", "slurm_acct_db"),
+                connect_timeout=10, read_timeout=10, write_timeout=10,
+            )
+        except pymysql.MySQLError as exc:
+            raise SlurmError(f"job {record.job_id}: cannot reach the accounting storage: {exc}") from exc
+        try:
+            with conn.cursor() as cur:
+                # A job id can be reused after a database reset: take the newest record.
+                updated = cur.execute(
+                    f"UPDATE `{table}` SET derived_es=%s WHERE id_job=%s "
+                    f"ORDER BY time_submit DESC LIMIT 1",
+                    (comment, int(record.job_id.split("_")[0])),
+                )
+            conn.commit()
+        except pymysql.MySQLError as exc:
+            raise SlurmError(f"job {record.job_id}: writing the comment failed: {exc}") from exc
+        finally:
+            conn.close()
+        if updated != 1 and record.comment != comment:
+            raise SlurmError(f"job {record.job_id}: no accounting row to update")
+
+
+class PySlurmClient(CommandLineClient):
+    """Reads jobs through pyslurm's database API; writes go through the commands."""
+
+    backend = "pyslurm"
+
+    def __init__(self, pyslurm_module) -> None:
+        self._pyslurm = pyslurm_module
+
+    def job(self, job_id: str) -> JobRecord:
+        job_id = check_job_id(job_id)
+        try:
+            job = self._pyslurm.db.Job.load(int(job_id.split("_")[0]))
+        except Exception as exc:  # pyslurm raises its own RPCError and others
+            raise SlurmError(f"job {job_id}: pyslurm: {exc}") from exc
+        return JobRecord(
+            job_id=job_id, name=job.name or "", user=job.user_name or "",
+            state=(job.state or "").split()[0], exit_code=str(job.exit_code or ""),
+            cluster=job.cluster or "", node_list=job.nodelist or "",
+            num_nodes=int(job.num_nodes or 0), submit=str(job.submit_time or ""),
+            start=str(job.start_time or ""), end=str(job.end_time or ""),
+            elapsed_s=int(job.elapsed_time or 0), work_dir=job.working_directory or "",
+            comment=job.comment or "",
+        )
+
+
+def running_slurm_version() -> str | None:
+    """The installed Slurm's version ("22.05.8"), or None when Slurm is not installed."""
+    if shutil.which("sinfo") is None:
+        return None
+    try:
+        out = subprocess.run(["sinfo", "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"(\d+\.\d+\.\d+)", out)
+    return match.group(1) if match else None
+
+
+def choose_backend() -> tuple[str, str]:
+    """(backend, reason): pyslurm when it imports and matches Slurm's major.minor."""
+    if os.environ.get("GREYHOUND_SLURM_BACKEND") == "command-line":
+        return "command-line", "GREYHOUND_SLURM_BACKEND=command-line"
+    try:
+        import pyslurm  # type: ignore[import-not-found]
+    except ImportError:
+        return "command-line", "pyslurm is not installed (PyPI has none for Slurm 22.05)"
+    slurm = running_slurm_version()
+    wanted = getattr(pyslurm, "__version__", "")
+    if slurm is None or wanted.split(".")[:2] != slurm.split(".")[:2]:
+        return "command-line", f"pyslurm {wanted or '?'} does not match Slurm {slurm or '?'}"
+    return "pyslurm", f"pyslurm {wanted} matches Slurm {slurm}"
+
+
+def connect() -> SlurmClient:
+    """The Slurm client for this machine (see :func:`choose_backend`)."""
+    backend, reason = choose_backend()
+    log.debug("slurm backend: %s (%s)", backend, reason)
+    if backend == "pyslurm":
+        import pyslurm  # type: ignore[import-not-found]
+
+        return PySlurmClient(pyslurm)
+    return CommandLineClient()

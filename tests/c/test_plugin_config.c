@@ -1,0 +1,91 @@
+/*
+ * Unit test of the SPANK plugin's option and plugstack parsers (spank/plugin/config.c),
+ * built with ASan/UBSan by tests/test_plugin_config.py and linked against the real
+ * libslurm for slurm_error. Prints "N passed, N failed".
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "greyhound.h"
+
+static int passed, failed;
+
+#define CHECK(cond)                                                         \
+	do {                                                                \
+		if (cond) {                                                 \
+			passed++;                                           \
+		} else {                                                    \
+			failed++;                                           \
+			fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond); \
+		}                                                           \
+	} while (0)
+
+static int parse(struct gh_options *o, const char *value, char *err)
+{
+	gh_options_defaults(o);
+	err[0] = '\0';
+	return gh_options_parse(o, value, err, 512);
+}
+
+int main(void)
+{
+	struct gh_options o;
+	struct gh_config c;
+	char err[512];
+	char long_value[2000];
+
+	/* A bare flag, in all the ways Slurm delivers it, means on with defaults. */
+	CHECK(parse(&o, NULL, err) == 0 && o.enabled == 1);
+	CHECK(parse(&o, "", err) == 0 && o.enabled == 1);
+	CHECK(parse(&o, "(null)", err) == 0 && o.enabled == 1 && o.mode[0] == '\0');
+
+	CHECK(parse(&o, "off", err) == 0 && o.enabled == 0);
+	CHECK(parse(&o, "mitigate", err) == 0 && o.enabled == 1 && !strcmp(o.mode, "mitigate"));
+	CHECK(parse(&o, "mode=detect,trace=off,report=/r/x", err) == 0 && !strcmp(o.mode, "detect") &&
+	      o.trace == 0 && !strcmp(o.report, "/r/x"));
+	CHECK(parse(&o, "detect,mode=detect", err) == 0); /* same value twice is fine */
+
+	CHECK(parse(&o, "mode=fast", err) < 0 && strstr(err, "mode='fast' is not allowed"));
+	CHECK(parse(&o, "colour=red", err) < 0 && strstr(err, "unknown key 'colour'"));
+	CHECK(parse(&o, "trace=", err) < 0 && strstr(err, "trace='' is not allowed"));
+	CHECK(parse(&o, ",", err) < 0 && strstr(err, "empty item"));
+	CHECK(parse(&o, "off,trace=on", err) < 0 && strstr(err, "cannot be combined"));
+	CHECK(parse(&o, "trace=on,trace=off", err) < 0 && strstr(err, "trace given twice"));
+	CHECK(parse(&o, "mode=detect\n", err) < 0 && strstr(err, "control character 0x0a"));
+	memset(long_value, 'a', sizeof(long_value) - 1);
+	long_value[sizeof(long_value) - 1] = '\0';
+	CHECK(parse(&o, long_value, err) < 0 && strstr(err, "at most 1024"));
+	memcpy(long_value, "report=/", 8);
+	long_value[1024] = '\0'; /* exactly the limit: accepted */
+	CHECK(parse(&o, long_value, err) == 0 && strlen(o.report) == 1017);
+
+	/* Admin arguments: defaults first, every key checked, unknown keys refused. */
+	{
+		char *good[] = { "default=on", "mode=mitigate", "prefix=/opt/gh", "rundir=/scratch/gh" };
+		char *bad_key[] = { "defualt=on" };
+		char *bad_bool[] = { "default=perhaps" };
+		char *bad_path[] = { "rundir=relative" };
+
+		gh_config_defaults(&c);
+		CHECK(c.default_on == 0 && !strcmp(c.mode, "detect") && !strcmp(c.rundir, "/var/tmp/greyhound"));
+		CHECK(gh_config_parse(&c, 4, good) == 0 && c.default_on == 1 && !strcmp(c.mode, "mitigate") &&
+		      !strcmp(c.prefix, "/opt/gh") && !strcmp(c.rundir, "/scratch/gh"));
+		CHECK(gh_config_parse(&c, 1, bad_key) < 0);
+		CHECK(gh_config_parse(&c, 1, bad_bool) < 0);
+		CHECK(gh_config_parse(&c, 1, bad_path) < 0);
+	}
+
+	/* Precedence: the user's option over the admin's default. */
+	gh_config_defaults(&c);
+	c.default_on = 1;
+	gh_options_defaults(&o);
+	CHECK(gh_enabled(&c, &o) == 1 && !strcmp(gh_effective_mode(&c, &o), "detect"));
+	parse(&o, "off", err);
+	CHECK(gh_enabled(&c, &o) == 0);
+	c.default_on = 0;
+	parse(&o, "mitigate", err);
+	CHECK(gh_enabled(&c, &o) == 1 && !strcmp(gh_effective_mode(&c, &o), "mitigate"));
+
+	printf("%d passed, %d failed\n", passed, failed);
+	return failed != 0;
+}

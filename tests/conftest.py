@@ -1,0 +1,97 @@
+"""Shared fixtures: the repository's paths and the live local Slurm cluster."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+PREFIX = Path(os.environ.get("GREYHOUND_PREFIX", "/usr/local"))
+
+
+def _cluster_reason() -> str | None:
+    """Why the local cluster cannot be used, or None when it answers."""
+    if shutil.which("sbatch") is None:
+        return "Slurm is not installed: run scripts/setup"
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "slurmctld does not answer: run scripts/cluster up"
+    if proc.returncode != 0:
+        return "the local Slurm cluster is not running: run scripts/cluster up"
+    if "idle" not in proc.stdout and "mixed" not in proc.stdout:
+        return f"no usable node in the local cluster (states: {proc.stdout.split()})"
+    return None
+
+
+@pytest.fixture(scope="session")
+def cluster() -> None:
+    """Skips a test unless the local Slurm cluster (scripts/cluster up) answers."""
+    reason = _cluster_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+class SlurmJob:
+    """A job submitted with real sbatch, waited for with real squeue/sacct."""
+
+    def __init__(self, job_id: str, output: Path) -> None:
+        self.job_id = job_id
+        self.output = output
+
+    def wait(self, timeout_s: float = 120) -> str:
+        """Waits until the job has ended; returns its sacct State."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            state = sacct_field(self.job_id, "State")
+            if state and state.split()[0] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED"):
+                return state.split()[0]
+            time.sleep(0.5)
+        subprocess.run(["scancel", self.job_id], check=False)
+        raise AssertionError(f"job {self.job_id} did not end within {timeout_s}s")
+
+    def state(self) -> str:
+        """The controller's state of the job ("" once it left the queue)."""
+        return subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", "%T"],
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+
+    def text(self) -> str:
+        return self.output.read_text() if self.output.exists() else ""
+
+
+def sacct_field(job_id: str, field: str) -> str:
+    out = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", field],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout.strip().splitlines()
+    return out[-1] if out else ""
+
+
+@pytest.fixture
+def sbatch(tmp_path):
+    """Submits a job script: sbatch(script_text, *options, env=None) -> SlurmJob."""
+    submitted: list[SlurmJob] = []
+    os.chmod(tmp_path, 0o755)
+
+    def submit(script: str, *options: str, env: dict | None = None) -> SlurmJob:
+        script_path = tmp_path / f"job{len(submitted)}.sh"
+        script_path.write_text(script)
+        output = tmp_path / f"job{len(submitted)}.out"
+        proc = subprocess.run(
+            ["sbatch", "--parsable", f"--output={output}", *options, str(script_path)],
+            capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+        )
+        assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
+        job = SlurmJob(proc.stdout.strip().split(";")[0], output)
+        submitted.append(job)
+        return job
+
+    yield submit
+    for job in submitted:
+        subprocess.run(["scancel", job.job_id], capture_output=True, check=False)

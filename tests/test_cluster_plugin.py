@@ -1,0 +1,157 @@
+"""The SPANK plugin on the real local cluster: sbatch --greyhound, as users run it."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import uuid
+
+import pytest
+
+from conftest import PREFIX, REPO
+
+pytestmark = pytest.mark.cluster
+
+HOOK = PREFIX / "lib/greyhound/libgreyhound_hook.so"
+
+# Every task prints what greyhound set up for it, one '|'-separated line.
+REPORT_ENV = (
+    'echo "$0|${SLURM_PROCID-}|${SLURMD_NODENAME-}|${GREYHOUND_MODE-}|${LD_PRELOAD-}|'
+    '${GREYHOUND_RUN_DIR-}|${GREYHOUND_JOB_ID-}|${GREYHOUND_TRACE-}"'
+)
+JOB_SCRIPT = f"""#!/bin/bash
+/bin/bash -c '{REPORT_ENV}' batch
+srun /bin/bash -c '{REPORT_ENV}' step0
+srun --ntasks=4 --ntasks-per-node=1 /bin/bash -c '{REPORT_ENV}' step1
+"""
+
+
+def task_lines(text: str) -> list[dict[str, str]]:
+    keys = ("step", "rank", "node", "mode", "ld_preload", "run_dir", "job_id", "trace")
+    return [dict(zip(keys, line.split("|"))) for line in text.splitlines() if line.count("|") == 7]
+
+
+@pytest.fixture(scope="module")
+def user_preload(tmp_path_factory):
+    """A user's own LD_PRELOAD library, built here, that greyhound must keep."""
+    d = tmp_path_factory.mktemp("userlib")
+    os.chmod(d, 0o755)
+    src = d / "user.c"
+    src.write_text("int greyhound_test_user_preload;\n")
+    lib = d / "libuser.so"
+    subprocess.run(["gcc", "-shared", "-fpic", "-o", str(lib), str(src)], check=True)
+    return str(lib)
+
+
+def test_sbatch_help_lists_the_option(cluster):
+    out = subprocess.run(["sbatch", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--greyhound=options" in out
+    assert "[greyhound]" in out
+
+
+BAD_OPTIONS = [
+    ("mode=fast", "mode='fast' is not allowed; use mode=detect or mode=mitigate"),
+    ("bogus=1", "unknown key 'bogus'; allowed keys: mode, trace, report"),
+    ("trace=maybe", "trace='maybe' is not allowed; use trace=on or trace=off"),
+    ("report=relative/dir", "report='relative/dir' must be an absolute directory path"),
+    ("off,mode=detect", "'off' cannot be combined with other settings"),
+    ("fastest", "'fastest' is not an option; use off, on, detect, mitigate"),
+    ("mode=detect,,trace=on", "empty item in 'mode=detect,,trace=on'"),
+    ("mode=detect,mode=mitigate", "mode given twice ('detect' and 'mitigate')"),
+    ("mode=detect\x07", "control character 0x07 at position 12"),
+    ("report=/" + "x" * 1100, "characters long; at most 1024 are allowed"),
+]
+
+
+@pytest.mark.parametrize(("value", "message"), BAD_OPTIONS, ids=[v[:20] for v, _ in BAD_OPTIONS])
+def test_bad_option_is_refused_without_a_job(cluster, tmp_path, value, message):
+    name = f"gh-bad-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.run(
+        ["sbatch", f"--job-name={name}", f"--greyhound={value}", f"--output={tmp_path}/o", "--wrap=true"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("greyhound: ")]
+    assert len(ours) == 1, proc.stderr
+    assert message in ours[0]
+    assert "Submitted" not in proc.stdout
+    squeue = subprocess.run(["squeue", "-h", "-n", name], capture_output=True, text=True, check=True).stdout
+    sacct = subprocess.run(["sacct", "-n", "-X", "--name", name, "-S", "now-1hours"],
+                           capture_output=True, text=True, check=True).stdout
+    assert squeue.strip() == "" and sacct.strip() == ""
+
+
+def check_enabled(lines, *, mode, job_id, user_preload=None):
+    assert lines, "the job printed nothing"
+    for t in lines:
+        assert t["mode"] == mode, t
+        assert t["job_id"] == job_id, t
+        assert t["trace"] == "on", t
+        assert t["ld_preload"].split(":")[0] == str(HOOK), t
+        if user_preload:
+            assert t["ld_preload"].split(":")[1:] == [user_preload], t
+        assert t["run_dir"].endswith(f"/{job_id}"), t
+
+
+def test_detect_job_sets_up_every_task_on_every_node(cluster, sbatch, user_preload):
+    assert HOOK.exists(), f"{HOOK} is missing: scripts/cluster up installs it (make -C spank install)"
+    env = dict(os.environ, LD_PRELOAD=user_preload)
+    job = sbatch(JOB_SCRIPT, "--nodes=4", "--ntasks=8", "--ntasks-per-node=2",
+                 "--greyhound=mode=detect", env=env)
+    assert job.wait() == "COMPLETED", job.text()
+    lines = task_lines(job.text())
+    check_enabled(lines, mode="detect", job_id=job.job_id, user_preload=user_preload)
+    steps = {t["step"] for t in lines}
+    assert steps == {"batch", "step0", "step1"}
+    assert sorted(int(t["rank"]) for t in lines if t["step"] == "step0") == list(range(8))
+    assert {t["node"] for t in lines if t["step"] == "step0"} == {"n1", "n2", "n3", "n4"}
+    assert {t["node"] for t in lines if t["step"] == "step1"} == {"n1", "n2", "n3", "n4"}
+    run_dir = lines[0]["run_dir"]
+    st = os.stat(run_dir)
+    assert stat.S_IMODE(st.st_mode) == 0o700
+    assert st.st_uid == os.getuid()
+
+
+def test_bare_option_and_export_none(cluster, sbatch):
+    # A bare --greyhound reaches the nodes as "(null)"; --export=NONE hides the option
+    # from the batch step's environment. Both must still mean "on, defaults".
+    job = sbatch(JOB_SCRIPT, "--nodes=4", "--ntasks=8", "--ntasks-per-node=2",
+                 "--export=NONE", "--greyhound")
+    assert job.wait() == "COMPLETED", job.text()
+    lines = task_lines(job.text())
+    check_enabled(lines, mode="detect", job_id=job.job_id)
+    assert {t["step"] for t in lines} == {"batch", "step0", "step1"}
+
+
+def test_job_without_the_option_is_untouched(cluster, sbatch, user_preload):
+    env = dict(os.environ, LD_PRELOAD=user_preload)
+    job = sbatch(JOB_SCRIPT, "--nodes=4", "--ntasks=8", "--ntasks-per-node=2", env=env)
+    assert job.wait() == "COMPLETED", job.text()
+    lines = task_lines(job.text())
+    assert len(lines) == 1 + 8 + 4
+    for t in lines:
+        assert t["mode"] == t["run_dir"] == t["job_id"] == t["trace"] == "", t
+        assert t["ld_preload"] == user_preload, t
+
+
+@pytest.fixture
+def default_on(cluster):
+    subprocess.run([str(REPO / "scripts/cluster"), "default", "on"], check=True, capture_output=True)
+    try:
+        yield
+    finally:
+        subprocess.run([str(REPO / "scripts/cluster"), "default", "off"], check=True, capture_output=True)
+
+
+def test_plugstack_default_on_enables_every_job_unless_off(default_on, sbatch):
+    on = sbatch(JOB_SCRIPT, "--nodes=2", "--ntasks=4", "--ntasks-per-node=2")
+    off = sbatch(JOB_SCRIPT, "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--greyhound=off")
+    mitigate = sbatch(JOB_SCRIPT, "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--greyhound=mitigate")
+    assert on.wait() == "COMPLETED", on.text()
+    assert off.wait() == "COMPLETED", off.text()
+    assert mitigate.wait() == "COMPLETED", mitigate.text()
+    check_enabled(task_lines(on.text()), mode="detect", job_id=on.job_id)
+    check_enabled(task_lines(mitigate.text()), mode="mitigate", job_id=mitigate.job_id)
+    off_lines = task_lines(off.text())
+    assert off_lines and all(t["mode"] == "" and t["ld_preload"] == "" for t in off_lines)
