@@ -1,0 +1,178 @@
+"""The training loop of one rank: data, 1F1B, DP gradient sync, optimizer, checkpoints,
+metrics and the timeline."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hybrid import checkpoint
+from hybrid.config import DataConfig, ModelConfig, TrainConfig
+from hybrid.data import SyntheticData
+from hybrid.grads import MainGrads
+from hybrid.launch import ProcessEnv
+from hybrid.layout import ParallelLayout, split_layers
+from hybrid.model import GPTStage
+from hybrid.schedule import NO_RECORDER, StageContext, run_1f1b
+
+log = logging.getLogger("gpt_hybrid")
+
+_PG_TIMEOUT = timedelta(minutes=10)
+
+
+def _backend(name: str) -> str:
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--backend nccl needs CUDA, and this torch/machine has none; use gloo")
+    return name
+
+
+def _job_meta(cfg: TrainConfig, model_cfg: ModelConfig, data_cfg: DataConfig, job_id: str | None) -> dict:
+    from dataclasses import asdict
+
+    return {
+        "dp": cfg.dp,
+        "pp": cfg.pp,
+        "tp": 1,
+        "num_microbatches": cfg.num_microbatches,
+        "microbatches_per_dp": list(cfg.microbatch_split),
+        "schedule": "1F1B",
+        "job_id": job_id,
+        "trial_name": "gpt_hybrid",
+        "extra": {"model": asdict(model_cfg), "data": asdict(data_cfg), "rank_order": cfg.rank_order,
+                  "stage_layers": list(cfg.stage_layers) if cfg.stage_layers else None, "seed": cfg.seed},
+    }
+
+
+def train(cfg: TrainConfig, model_cfg: ModelConfig, data_cfg: DataConfig, penv: ProcessEnv) -> list[dict]:
+    """Run the job on this rank; returns the metrics rows on the metrics rank, else []."""
+    torch.set_num_threads(cfg.threads)
+    backend = _backend(cfg.backend)
+    layout = ParallelLayout(dp=cfg.dp, pp=cfg.pp, world_size=penv.world_size, rank_order=cfg.rank_order)
+    layers_of = split_layers(model_cfg.num_layers, cfg.pp, cfg.stage_layers)
+    if data_cfg.seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"--seq-len={data_cfg.seq_len} exceeds the model's --max-seq-len={model_cfg.max_seq_len}")
+    if backend == "nccl":
+        device = torch.device("cuda", penv.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    dist.init_process_group(backend, init_method=f"tcp://{penv.master_addr}:{penv.master_port}",
+                            rank=penv.rank, world_size=penv.world_size, timeout=_PG_TIMEOUT)
+    try:
+        return _run(cfg, model_cfg, data_cfg, penv, layout, layers_of, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, device) -> list[dict]:
+    rank = penv.rank
+    dp_rank, pp_rank = layout.coords_of(rank)
+    # Every rank creates every DP group, in the same order (new_group is collective).
+    dp_groups = [dist.new_group(layout.dp_group(s)) for s in range(cfg.pp)]
+    dp_group = dp_groups[pp_rank]
+    # NCCL wants the first call on the world group to be collective, not a p2p.
+    dist.barrier()
+
+    ctx_layers = layers_of[pp_rank]
+    first, last = pp_rank == 0, pp_rank == cfg.pp - 1
+    module = GPTStage(model_cfg, ctx_layers, first=first, last=last, seed=cfg.seed).to(device)
+    pipeline = layout.pipeline(dp_rank)
+    ctx = StageContext(module=module, pp_rank=pp_rank, pp=cfg.pp,
+                       prev_rank=None if first else pipeline[pp_rank - 1],
+                       next_rank=None if last else pipeline[pp_rank + 1],
+                       dim=model_cfg.dim, device=device)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    grads = MainGrads(module, dtype=torch.float64 if cfg.grad_accum_float64 else torch.float32,
+                      with_loss_slot=last)
+    data = SyntheticData(data_cfg, vocab_size=model_cfg.vocab_size, seed=cfg.seed)
+
+    start_step = 0
+    if cfg.resume:
+        start_step = checkpoint.latest_step(cfg.checkpoint_dir)
+        checkpoint.load(cfg.checkpoint_dir, step=start_step, pp_rank=pp_rank, module=module,
+                        optimizer=optimizer, layers=ctx_layers, device=device)
+        if rank == 0:
+            log.info("resumed from %s after step %d", cfg.checkpoint_dir, start_step)
+
+    recorder = NO_RECORDER
+    if cfg.trace_dir:
+        from greyhound.timeline import TimelineConfig, TimelineRecorder
+
+        recorder = TimelineRecorder(
+            TimelineConfig(trace_dir=cfg.trace_dir, every=cfg.trace_every, append=cfg.resume),
+            rank=rank, dp_rank=dp_rank, pp_rank=pp_rank, node=penv.node,
+            device=str(device) if device.type == "cuda" else "cpu",
+            job=_job_meta(cfg, model_cfg, data_cfg, cfg.job_id or penv.job_id),
+            sync=torch.cuda.synchronize if device.type == "cuda" else None,
+        )
+
+    metrics_rank = layout.rank_of(dp_rank=0, pp_rank=cfg.pp - 1)
+    metrics_file = None
+    if cfg.metrics and rank == metrics_rank:
+        metrics_file = open(cfg.metrics, "a" if cfg.resume else "w", encoding="utf-8")  # noqa: SIM115
+    rows: list[dict] = []
+    m = cfg.microbatch_split[dp_rank]
+    first_mb = cfg.first_microbatch(dp_rank)
+    try:
+        for step in range(start_step, cfg.steps):
+            if cfg.crash_at_step == step and rank == 0:
+                log.warning("--crash-at-step %d: killing rank 0", step)
+                os.kill(os.getpid(), signal.SIGKILL)
+            t0 = time.perf_counter()
+            tracing = recorder is not NO_RECORDER
+            if tracing:
+                recorder.start_step(step, num_microbatches=m)
+            total_tokens = data.tokens_in_step(step, cfg.num_microbatches)
+            mbs = [data.microbatch(step, first_mb + i, with_tokens=first or last) for i in range(m)]
+            if tracing and first:
+                for i, mb in enumerate(mbs):
+                    recorder.seqlens(i, mb.lengths)
+            grads.zero()
+            run_1f1b(ctx, mbs, grads=grads, loss_scale=1.0 / total_tokens, recorder=recorder)
+            if cfg.dp > 1:
+                with recorder.span("grads-all-reduce"):
+                    grads.all_reduce(dp_group)
+            with recorder.span("optimizer"):
+                grads.apply()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if tracing:
+                recorder.end_step()
+            step_time = time.perf_counter() - t0
+            if rank == metrics_rank:
+                row = {"step": step, "loss": grads.loss_sum / total_tokens, "step_time": step_time,
+                       "tokens": total_tokens}
+                rows.append(row)
+                log.info("step %d loss %.6f step_time %.3fs", step, row["loss"], step_time)
+                if metrics_file is not None:
+                    metrics_file.write(json.dumps(row) + "\n")
+                    metrics_file.flush()
+            done = step + 1
+            if cfg.checkpoint_dir and ((cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
+                                       or done == cfg.steps):
+                checkpoint.save(cfg.checkpoint_dir, step=done, pp_rank=pp_rank, dp_rank=dp_rank, rank=rank,
+                                module=module, optimizer=optimizer, layers=ctx_layers)
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+        if recorder is not NO_RECORDER:
+            recorder.close()
+
+    if cfg.trace_dir:
+        dist.barrier()  # every rank's file is complete
+        if rank == 0:
+            from postmortem.merge import merge_trace_dir
+
+            path = merge_trace_dir(cfg.trace_dir, job_id=cfg.job_id or penv.job_id)
+            log.info("timeline trace: %s", path)
+    return rows

@@ -1,0 +1,238 @@
+"""Merge the per-rank timeline files of a trace dir into greyhound's HDF5 trace.
+
+The training ranks write ``rank-NNNNN.jsonl`` files (:mod:`greyhound.timeline`); at job
+end this module reads them all and writes one trace with
+:func:`postmortem.schema.write_trace`.
+
+A step that some worker did not record completely (a rank killed mid-step, a torn last
+line) is dropped from every worker, so the trace holds only whole steps; what was
+dropped is listed in ``meta.extra["dropped_steps"]``.  When the micro-batch split changed
+during the job (mitigation S2), the trace's ``microbatches_per_dp`` is the split of the
+first kept step and ``meta.extra["microbatches_per_dp_by_step"]`` keeps every step's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import numpy as np
+
+from greyhound.errors import InputError
+from greyhound.timeline import FORMAT_NAME, FORMAT_VERSION
+from postmortem.schema import OP_COLUMNS, TraceMeta, optype_code, write_trace
+
+log = logging.getLogger(__name__)
+
+TRACE_FILE_NAME = "trace.h5"
+"""Default name of the merged trace inside the trace dir."""
+
+
+@dataclass
+class RankTimeline:
+    """What one rank file holds."""
+
+    path: Path
+    header: dict
+    steps: dict[int, dict] = field(default_factory=dict)
+    """step -> step record (``num_microbatches``, ``ops``, ``seqlens``); a step recorded
+    twice (re-run after a resume) keeps its last record."""
+    torn_lines: int = 0
+
+
+def read_rank_file(path: str | os.PathLike) -> RankTimeline:
+    """Read one ``rank-NNNNN.jsonl`` file; a torn or garbled step line is skipped.
+
+    Raises:
+        InputError: the header is missing, not a timeline header, or of a newer version.
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read timeline file: {exc.strerror}") from None
+    try:
+        header = json.loads(lines[0]) if lines else None
+    except json.JSONDecodeError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
+        raise InputError(f"{path}: not a greyhound timeline file (bad or missing header line)")
+    if header.get("version") != FORMAT_VERSION:
+        raise InputError(
+            f"{path}: timeline format version {header.get('version')!r}, this greyhound reads {FORMAT_VERSION}"
+        )
+    for key in ("rank", "dp_rank", "pp_rank", "node", "device", "job"):
+        if key not in header:
+            raise InputError(f"{path}: timeline header lacks {key!r}")
+    out = RankTimeline(path=path, header=header)
+    for line in lines[1:]:
+        if not line.strip():  # a resumed rank starts its lines on a fresh line
+            continue
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+            record["ops"], record["seqlens"], int(record["num_microbatches"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            out.torn_lines += 1
+            continue
+        out.steps[step] = record
+    return out
+
+
+def _job_meta(headers: list[dict], *, split_by_step: dict[int, tuple[int, ...]], job_id: str | None,
+              dropped: list[int], where: str) -> TraceMeta:
+    job = dict(headers[0]["job"])
+    for h in headers[1:]:
+        for key in ("dp", "pp", "tp", "schedule"):
+            if h["job"].get(key) != job.get(key):
+                raise InputError(f"{where}: rank files disagree on job {key}: {h['job'].get(key)!r} vs {job.get(key)!r}")
+    dp, pp = int(job["dp"]), int(job["pp"])
+    extra = dict(job.get("extra") or {})
+    if split_by_step:
+        first = split_by_step[min(split_by_step)]
+        if len(set(split_by_step.values())) > 1:
+            extra["microbatches_per_dp_by_step"] = {str(s): list(v) for s, v in sorted(split_by_step.items())}
+    else:
+        first = tuple(job["microbatches_per_dp"])
+    if dropped:
+        extra["dropped_steps"] = dropped
+    even = len(set(first)) == 1
+    return TraceMeta(
+        dp=dp,
+        pp=pp,
+        tp=int(job.get("tp", 1)),
+        num_microbatches=int(sum(first)),
+        microbatches_per_dp=None if even else first,
+        schedule=job.get("schedule", "1F1B"),
+        job_id=job_id if job_id is not None else job.get("job_id"),
+        trial_name=job.get("trial_name"),
+        extra=extra,
+    )
+
+
+def merge_trace_dir(
+    trace_dir: str | os.PathLike,
+    out_path: str | os.PathLike | None = None,
+    *,
+    job_id: str | None = None,
+) -> Path:
+    """Merge every ``rank-*.jsonl`` of ``trace_dir`` into one HDF5 trace.
+
+    Args:
+        trace_dir: the directory the ranks wrote.
+        out_path: the trace to write; default ``<trace_dir>/trace.h5``.
+        job_id: overrides the job id the ranks recorded.
+    Returns:
+        The path written.
+    Raises:
+        InputError: no rank files, unreadable files, ranks that disagree on the job, a
+            duplicate (dp, pp) worker, or no step that every worker recorded.
+    """
+    trace_dir = Path(trace_dir)
+    where = str(trace_dir)
+    files = sorted(trace_dir.glob("rank-*.jsonl"))
+    if not files:
+        raise InputError(f"{where}: no rank-*.jsonl timeline files in this directory")
+    ranks = [read_rank_file(p) for p in files]
+    headers = [r.header for r in ranks]
+    seen: dict[tuple[int, int], int] = {}
+    for h in headers:
+        key = (int(h["dp_rank"]), int(h["pp_rank"]))
+        if key in seen:
+            raise InputError(f"{where}: ranks {seen[key]} and {h['rank']} both claim dp_rank {key[0]}, pp_rank {key[1]}")
+        seen[key] = int(h["rank"])
+    dp, pp = int(headers[0]["job"]["dp"]), int(headers[0]["job"]["pp"])
+    if len(ranks) != dp * pp:
+        log.warning("%s: %d rank files for a dp=%d x pp=%d job; merging what is there", where, len(ranks), dp, pp)
+
+    all_steps = set().union(*(r.steps for r in ranks))
+    complete = sorted(s for s in all_steps if all(s in r.steps for r in ranks))
+    dropped = sorted(all_steps - set(complete))
+    if dropped:
+        log.warning("%s: steps %s were not recorded by every rank; dropped", where, dropped)
+    if not complete:
+        raise InputError(f"{where}: no step was recorded by every rank ({len(ranks)} rank files)")
+
+    # Micro-batches of each DP replica per step, from the replica's first stage.
+    split_by_step: dict[int, tuple[int, ...]] = {}
+    for step in complete:
+        counts = [0] * dp
+        for r in ranks:
+            if int(r.header["pp_rank"]) == 0 and int(r.header["dp_rank"]) < dp:
+                counts[int(r.header["dp_rank"])] = int(r.steps[step]["num_microbatches"])
+        if all(counts):
+            split_by_step[step] = tuple(counts)
+
+    cols: dict[str, list] = {name: [] for name in OP_COLUMNS}
+    seq_step, seq_dp, seq_mb, seq_lengths = [], [], [], []
+    seen_seq: set[tuple[int, int, int]] = set()
+    for r in ranks:
+        d, p = int(r.header["dp_rank"]), int(r.header["pp_rank"])
+        for step in complete:
+            record = r.steps[step]
+            for optype, mb, chunk, start, duration in record["ops"]:
+                cols["step"].append(step)
+                cols["microbatch"].append(mb)
+                cols["pp_rank"].append(p)
+                cols["dp_rank"].append(d)
+                cols["chunk"].append(chunk)
+                cols["optype"].append(optype_code(optype))
+                cols["start"].append(start)
+                cols["duration"].append(duration)
+            for mb, lengths in record["seqlens"]:
+                key = (step, d, int(mb))
+                if key in seen_seq:  # any stage may note them; keep one copy
+                    continue
+                seen_seq.add(key)
+                seq_step.append(step)
+                seq_dp.append(d)
+                seq_mb.append(int(mb))
+                seq_lengths.append(lengths)
+    ops = {name: np.asarray(values, dtype=OP_COLUMNS[name]) for name, values in cols.items()}
+    order = np.lexsort((ops["start"], ops["pp_rank"], ops["dp_rank"], ops["step"]))
+    ops = {name: col[order] for name, col in ops.items()}
+
+    seqlens = None
+    if seq_step:
+        order = np.lexsort((np.asarray(seq_mb), np.asarray(seq_dp), np.asarray(seq_step)))
+        counts = np.asarray([len(seq_lengths[i]) for i in order], dtype=np.int64)
+        seqlens = {
+            "step": np.asarray(seq_step)[order],
+            "dp_rank": np.asarray(seq_dp)[order],
+            "microbatch": np.asarray(seq_mb)[order],
+            "offsets": np.concatenate([[0], np.cumsum(counts)]),
+            "lengths": np.asarray([x for i in order for x in seq_lengths[i]], dtype=np.int32),
+        }
+
+    by_worker = sorted(headers, key=lambda h: int(h["rank"]))
+    workers = {
+        "rank": np.asarray([int(h["rank"]) for h in by_worker]),
+        "dp_rank": np.asarray([int(h["dp_rank"]) for h in by_worker]),
+        "pp_rank": np.asarray([int(h["pp_rank"]) for h in by_worker]),
+        "node": np.asarray([str(h["node"]) for h in by_worker]),
+        "device": np.asarray([str(h["device"]) for h in by_worker]),
+    }
+    try:
+        meta = _job_meta(headers, split_by_step=split_by_step, job_id=job_id, dropped=dropped, where=where)
+    except ValueError as exc:
+        raise InputError(f"{where}: inconsistent job metadata: {exc}") from None
+    out = Path(out_path) if out_path is not None else trace_dir / TRACE_FILE_NAME
+    write_trace(out, ops=ops, workers=workers, meta=meta, seqlens=seqlens)
+    log.info("%s: merged %d ops of %d steps from %d ranks into %s", where, ops["step"].size, len(complete), len(ranks), out)
+    return out
+
+
+@click.command("merge-trace")
+@click.argument("trace_dir", type=click.Path(file_okay=False))
+@click.option("-o", "--out", "out_path", type=click.Path(dir_okay=False), default=None,
+              help="Trace file to write (default: TRACE_DIR/trace.h5).")
+@click.option("--job-id", default=None, help="Slurm job id to store in the trace.")
+def merge_command(trace_dir: str, out_path: str | None, job_id: str | None) -> None:
+    """Merge a training job's per-rank timeline files into one HDF5 trace."""
+    path = merge_trace_dir(trace_dir, out_path, job_id=job_id)
+    click.echo(str(path))
