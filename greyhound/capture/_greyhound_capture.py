@@ -1,0 +1,339 @@
+"""Records torch.distributed's collectives and p2p into the hook's ring.
+
+The gloo backend communicates inside libtorch, where the LD_PRELOAD hook cannot see
+it, so this module wraps the Python API (all_reduce, reduce_scatter(_tensor),
+all_gather(_into_tensor), broadcast, reduce, send, recv, isend, irecv,
+batch_isend_irecv, barrier) and writes one record per call through the hook's
+``gh_py_*`` entry points: the same layout, the same ring, the same pause gate.
+
+- Blocking calls: t_end is the return. Async calls (async_op=True, isend, irecv,
+  batch_isend_irecv) get a record at issue with the ASYNC flag and a WAIT record
+  with the same req_id when ``wait()`` returns; their Work comes back wrapped in a
+  thin proxy that forwards everything else.
+- No double counting: a call that goes to NCCL while the C hook interposes NCCL,
+  or to the MPI backend (the C hook records MPI), is not recorded here.
+- Communicator ids: FNV-1a over the group's global ranks (int32, little-endian, in
+  group rank order), then over the n-th group of the same members seen by this
+  process: the scheme of spank/hook/mpi.c.
+- DDP's gradient all-reduce runs in C++ (the reducer) and is not seen, unless a
+  Python comm hook issues it through dist.all_reduce.
+
+This file is installed next to sitecustomize.py and must not import greyhound:
+it runs in any Python that has torch. Any failure leaves torch untouched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import inspect
+import itertools
+import os
+import sys
+import threading
+import time
+
+# Mirrors enum gh_op / GH_F_* in spank/hook/gh_ring.h (checked by tests/test_hook_layout.py).
+OP_ALLREDUCE, OP_REDUCESCATTER, OP_ALLGATHER, OP_BROADCAST, OP_REDUCE = 1, 2, 3, 4, 5
+OP_SEND, OP_RECV, OP_BARRIER, OP_WAIT, OP_GROUP = 6, 7, 9, 10, 11
+F_ASYNC, F_GROUPED, F_ERROR = 0x1, 0x2, 0x8
+
+FNV_OFFSET = 0xCBF29CE484222325
+FNV_PRIME = 0x100000001B3
+_MASK64 = (1 << 64) - 1
+
+HOOK_NAME = "libgreyhound_hook.so"
+
+
+def fnv1a_i32(h: int, values) -> int:
+    """FNV-1a 64 fed with each value as 4 little-endian bytes (gh_fnv1a_i32)."""
+    for v in values:
+        for b in (int(v) & 0xFFFFFFFF).to_bytes(4, "little"):
+            h = ((h ^ b) * FNV_PRIME) & _MASK64
+    return h
+
+
+def _load_hook():
+    """The hook's gh_py_* functions: from this process (preloaded), else from disk."""
+    candidates = [None]
+    prefix = os.environ.get("GREYHOUND_PREFIX")
+    if prefix:
+        candidates.append(os.path.join(prefix, "lib", "greyhound", HOOK_NAME))
+    # Installed layout: <libdir>/python/this file, <libdir>/libgreyhound_hook.so
+    candidates.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                   HOOK_NAME))
+    for cand in candidates:
+        if cand is not None and not os.path.exists(cand):
+            continue
+        try:
+            lib = ctypes.CDLL(cand)
+            lib.gh_py_record  # noqa: B018  (raises AttributeError when absent)
+        except (OSError, AttributeError):
+            continue
+        return lib
+    return None
+
+
+class _Hook:
+    """Binding to the C hook, and what this process knows about its groups."""
+
+    def __init__(self, lib) -> None:
+        self.lib = lib
+        lib.gh_py_active.restype = ctypes.c_int
+        lib.gh_py_active.argtypes = []
+        lib.gh_py_gate_word.restype = ctypes.c_size_t
+        lib.gh_py_gate_word.argtypes = []
+        lib.gh_py_gate.restype = None
+        lib.gh_py_gate.argtypes = []
+        lib.gh_py_record.restype = ctypes.c_uint64
+        lib.gh_py_record.argtypes = [ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32,
+                                     ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
+                                     ctypes.c_uint32, ctypes.c_uint64]
+        lib.gh_py_comm.restype = None
+        lib.gh_py_comm.argtypes = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32]
+        self.record = lib.gh_py_record
+        self.gate = None          # ctypes view of the gate word, fetched lazily
+        self.groups: dict[int, tuple] = {}
+        self.ordinals: dict[int, int] = {}
+        self.req_ids = itertools.count(1)
+        self.tls = threading.local()
+        self.c_nccl = self._interposes("ncclAllReduce")
+        self._active = None       # asked on the first call: the ring opens only then
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _interposes(self, name: str) -> bool:
+        """True when the process-wide definition of name is the hook's (preloaded)."""
+        try:
+            ours = ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value
+            seen = ctypes.cast(getattr(ctypes.CDLL(None), name), ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            return False
+        return ours == seen
+
+    def active(self) -> bool:
+        """Whether the hook records; the first call opens the ring."""
+        if self._active is None:
+            self._active = bool(self.lib.gh_py_active())
+        return self._active
+
+    def _after_fork(self) -> None:
+        # The child gets its own ring (the C hook reopens on first use).
+        self.gate = None
+        self.groups = {}
+        self._active = None
+
+    def check_gate(self) -> None:
+        gate = self.gate
+        if gate is None:
+            addr = self.lib.gh_py_gate_word()
+            if not addr:
+                return
+            gate = self.gate = ctypes.c_uint32.from_address(addr)
+        if gate.value:
+            self.lib.gh_py_gate()  # ctypes releases the GIL while it waits
+
+    def group_info(self, dc10d, group):
+        """(comm_id, size, rank, record?) of a process group; derived once."""
+        if group is None:
+            group = dc10d.GroupMember.WORLD
+        key = id(group)
+        info = self.groups.get(key)
+        if info is not None and info[0] is group:
+            return info[1]
+        ranks = dc10d.get_process_group_ranks(group)
+        members = fnv1a_i32(FNV_OFFSET, ranks)
+        nth = self.ordinals.get(members, 0)
+        self.ordinals[members] = nth + 1
+        comm_id = fnv1a_i32(members, [nth])
+        try:
+            backend = str(dc10d.get_backend(group)).lower()
+        except Exception:  # noqa: BLE001  (a group torch cannot describe: record it)
+            backend = "gloo"
+        # Which devices' calls this module must leave to the C hook.
+        skip_all = "mpi" in backend or (backend == "nccl" and self.c_nccl)
+        skip_cuda = self.c_nccl and "nccl" in backend
+        rank = dc10d.get_rank(group)
+        value = (comm_id, len(ranks), rank, skip_all, skip_cuda)
+        self.groups[key] = (group, value)
+        self.lib.gh_py_comm(comm_id, len(ranks), rank)
+        return value
+
+
+class _Work:
+    """A torch Work whose wait() also writes the WAIT record; all else forwards."""
+
+    __slots__ = ("_work", "_req", "_hook")
+
+    def __init__(self, work, req: int, hook: _Hook) -> None:
+        self._work = work
+        self._req = req
+        self._hook = hook
+
+    def wait(self, *args, **kwargs):
+        t0 = time.monotonic_ns()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            req, self._req = self._req, 0
+            if req:
+                self._hook.record(OP_WAIT, 0, -1, 0, t0, time.monotonic_ns(), 0, req)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _nbytes(t) -> int:
+    try:
+        return t.numel() * t.element_size()
+    except AttributeError:
+        return 0
+
+
+def _list_bytes(ts) -> int:
+    return sum(_nbytes(t) for t in ts) if ts is not None else 0
+
+
+# (function name, op code, how to size it, the argument naming the p2p peer or root)
+_SPECS = {
+    "all_reduce": (OP_ALLREDUCE, ("tensor",), None),
+    "reduce_scatter": (OP_REDUCESCATTER, ("input_list",), None),
+    "reduce_scatter_tensor": (OP_REDUCESCATTER, ("input",), None),
+    "all_gather": (OP_ALLGATHER, ("tensor_list",), None),
+    "all_gather_into_tensor": (OP_ALLGATHER, ("output_tensor",), None),
+    "broadcast": (OP_BROADCAST, ("tensor",), "src"),
+    "reduce": (OP_REDUCE, ("tensor",), "dst"),
+    "send": (OP_SEND, ("tensor",), "dst"),
+    "recv": (OP_RECV, ("tensor",), "src"),
+    "isend": (OP_SEND, ("tensor",), "dst"),
+    "irecv": (OP_RECV, ("tensor",), "src"),
+    "barrier": (OP_BARRIER, (), None),
+}
+_ALWAYS_ASYNC = {"isend", "irecv"}
+
+
+def _wrap(fn, name: str, hook: _Hook, dc10d):
+    op, (size_arg,) = _SPECS[name][0], (_SPECS[name][1] or (None,))
+    peer_arg = _SPECS[name][2]
+    params = list(inspect.signature(fn).parameters)
+    pos = {p: i for i, p in enumerate(params)}
+    is_list = size_arg in ("input_list", "tensor_list")
+    always_async = name in _ALWAYS_ASYNC
+    tls = hook.tls
+    record = hook.record
+
+    def arg(args, kwargs, pname, default=None):
+        i = pos.get(pname, -1)
+        if 0 <= i < len(args):
+            return args[i]
+        return kwargs.get(pname, default)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if getattr(tls, "busy", False) or not hook.active():
+            return fn(*args, **kwargs)
+        try:
+            group = arg(args, kwargs, "group")
+            comm_id, _size, _rank, skip_all, skip_cuda = hook.group_info(dc10d, group)
+            tensor = arg(args, kwargs, size_arg) if size_arg else None
+            if skip_all or (skip_cuda and tensor is not None and not is_list
+                            and getattr(tensor, "is_cuda", False)):
+                return fn(*args, **kwargs)
+            nbytes = _list_bytes(tensor) if is_list else (_nbytes(tensor) if tensor is not None else 0)
+            peer = -1
+            if peer_arg:
+                g_peer = arg(args, kwargs, "group_" + peer_arg)
+                if g_peer is not None:
+                    peer = g_peer
+                else:
+                    p = arg(args, kwargs, peer_arg)
+                    if p is not None:
+                        peer = p if group is None else dc10d.get_group_rank(group, p)
+            is_async = always_async or bool(arg(args, kwargs, "async_op", False))
+            hook.check_gate()
+        except Exception:  # noqa: BLE001  (never let bookkeeping break the call)
+            return fn(*args, **kwargs)
+        tls.busy = True
+        t0 = time.monotonic_ns()
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            record(op, comm_id, peer, nbytes, t0, time.monotonic_ns(), F_ERROR, 0)
+            raise
+        finally:
+            tls.busy = False
+        t1 = time.monotonic_ns()
+        if is_async and result is not None:
+            req = next(hook.req_ids)
+            record(op, comm_id, peer, nbytes, t0, t1, F_ASYNC, req)
+            return _Work(result, req, hook)
+        if name == "recv" and peer == -1 and isinstance(result, int):
+            peer = result  # recv from any source returns the sender
+        record(op, comm_id, peer, nbytes, t0, t1, 0, 0)
+        return result
+
+    wrapper.__greyhound_wrapped__ = fn
+    return wrapper
+
+
+def _wrap_batch(fn, hook: _Hook, dc10d):
+    tls = hook.tls
+    record = hook.record
+
+    @functools.wraps(fn)
+    def wrapper(p2p_op_list):
+        if getattr(tls, "busy", False) or not hook.active():
+            return fn(p2p_op_list)
+        try:
+            ops = []
+            for p in p2p_op_list:
+                fname = getattr(p.op, "__name__", "")
+                comm_id, _s, _r, skip_all, skip_cuda = hook.group_info(dc10d, p.group)
+                if skip_all or (skip_cuda and getattr(p.tensor, "is_cuda", False)):
+                    return fn(p2p_op_list)
+                peer = p.group_peer if getattr(p, "group_peer", None) is not None else p.peer
+                ops.append((OP_SEND if "send" in fname else OP_RECV, comm_id, peer,
+                            _nbytes(p.tensor)))
+            hook.check_gate()
+        except Exception:  # noqa: BLE001
+            return fn(p2p_op_list)
+        tls.busy = True
+        t0 = time.monotonic_ns()
+        try:
+            works = fn(p2p_op_list)
+        finally:
+            tls.busy = False
+        t1 = time.monotonic_ns()
+        reqs = []
+        for op, comm_id, peer, nbytes in ops:
+            reqs.append(next(hook.req_ids))
+            record(op, comm_id, peer, nbytes, t0, t1, F_ASYNC | F_GROUPED, reqs[-1])
+        record(OP_GROUP, 0, -1, len(ops), t0, t1, 0, 0)
+        if works is None or len(works) != len(ops):
+            return works  # coalesced into fewer works: completion is not attributed
+        return [_Work(w, r, hook) for w, r in zip(works, reqs, strict=True)]
+
+    wrapper.__greyhound_wrapped__ = fn
+    return wrapper
+
+
+def patch(dist) -> bool:
+    """Wraps torch.distributed's calls (module passed in); False if nothing was done."""
+    hook_lib = _load_hook()
+    if hook_lib is None:
+        return False
+    # The ring is not opened here: a program that imports torch but never
+    # communicates gets no file. Whether the hook is on is asked on the first call.
+    hook = _Hook(hook_lib)
+    dc10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if dc10d is None:
+        return False
+    for name in list(_SPECS) + ["batch_isend_irecv"]:
+        fn = getattr(dc10d, name, None)
+        if fn is None or hasattr(fn, "__greyhound_wrapped__"):
+            continue
+        wrapped = (_wrap_batch(fn, hook, dc10d) if name == "batch_isend_irecv"
+                   else _wrap(fn, name, hook, dc10d))
+        setattr(dc10d, name, wrapped)
+        if getattr(dist, name, None) is fn:
+            setattr(dist, name, wrapped)
+    return True

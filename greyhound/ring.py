@@ -1,0 +1,335 @@
+"""Reader of the hook's per-rank shared-memory rings.
+
+The C hook (spank/hook/) writes one ring file per rank into ``GREYHOUND_RUN_DIR``:
+``ring.<rank>`` (rank from SLURM_PROCID, RANK, OMPI_COMM_WORLD_RANK or PMI_RANK),
+``ring.pid<pid>`` when no launcher variable names a rank, and ``ring.<rank>.<pid>``
+when ``ring.<rank>`` is already taken (a later job step, a forked child). The header
+says whose ring it is; never rely on the name alone.
+
+The layout is defined once, in spank/hook/gh_ring.h; the dtypes below mirror it and
+tests/test_hook_layout.py checks every offset against the compiled header.
+
+:class:`RingReader` tails a ring incrementally: each :meth:`RingReader.read` returns
+the records committed since the last call, as a copy, and publishes how far it read
+so that the hook counts as ``drops`` only records overwritten before anyone read them.
+It also drives the ring's pause gate (:meth:`RingReader.pause`, :meth:`RingReader.resume`).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from greyhound.errors import GreyhoundError
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"GHRING1\x00"
+VERSION = 1
+HEADER_BYTES = 512
+
+# enum gh_op, in order; names as in the What-if study where it has them.
+OP_NAMES: tuple[str, ...] = (
+    "None", "AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce", "Send",
+    "Recv", "SendRecv", "Barrier", "Wait", "Group", "CommInit", "CommSplit",
+    "CommDestroy", "Pause", "Done",
+)
+OP = {name: code for code, name in enumerate(OP_NAMES)}
+# Ops that are communication calls (what the period analytics consume).
+CALL_OPS = frozenset(OP[n] for n in (
+    "AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce", "Send", "Recv",
+    "SendRecv", "Barrier",
+))
+
+SOURCE_NAMES = {1: "mpi", 2: "nccl", 3: "torch", 4: "hook"}
+
+F_ASYNC = 0x0001
+F_GROUPED = 0x0002
+F_GATE_TIMEOUT = 0x0004
+F_ERROR = 0x0008
+F_DEVICE_TIMED = 0x0010
+F_LOCAL_COMM = 0x0020
+F_IN_PLACE = 0x0040
+
+HOOK_TRACE = 0x1
+
+COMM_EMPTY, COMM_LIVE, COMM_DESTROYED = 0, 1, 2
+
+# struct gh_record: 64 bytes.
+RECORD_DTYPE = np.dtype({
+    "names": ["seq", "t_start_ns", "t_end_ns", "size_bytes", "comm_id", "req_id",
+              "peer", "op", "source", "flags", "rc"],
+    "formats": ["<u8", "<u8", "<u8", "<u8", "<u8", "<u8", "<i4", "<u2", "u1", "<u4", "<i4"],
+    "offsets": [0, 8, 16, 24, 32, 40, 48, 52, 54, 56, 60],
+    "itemsize": 64,
+})
+
+# struct gh_comm_entry: 48 bytes.
+COMM_DTYPE = np.dtype({
+    "names": ["comm_id", "parent_id", "t_create_ns", "size", "rank", "source", "state",
+              "color"],
+    "formats": ["<u8", "<u8", "<u8", "<i4", "<i4", "<u2", "<u2", "<i4"],
+    "offsets": [0, 8, 16, 24, 28, 32, 34, 36],
+    "itemsize": 48,
+})
+
+# struct gh_ring_header: 512 bytes.
+HEADER_DTYPE = np.dtype({
+    "names": ["magic", "version", "header_bytes", "record_bytes", "capacity",
+              "records_offset", "comms_offset", "comm_bytes", "comm_capacity", "rank",
+              "pid", "t0_monotonic_ns", "t0_realtime_ns", "pause_timeout_ns",
+              "hook_flags", "job_id", "hostname", "head", "reader_pos", "drops",
+              "gate_waits", "gate_timeouts", "parked_since_ns", "gate", "parked",
+              "num_comms", "comm_overflow", "events_skipped"],
+    "formats": ["S8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8", "<u4", "<u4", "<i4",
+                "<i4", "<u8", "<u8", "<u8", "<u4", "S32", "S64", "<u8", "<u8", "<u8",
+                "<u8", "<u8", "<u8", "<u4", "<u4", "<u4", "<u4", "<u8"],
+    "offsets": [0, 8, 12, 16, 20, 24, 32, 40, 44, 48, 52, 56, 64, 72, 80, 88, 120,
+                192, 256, 320, 328, 336, 344, 352, 356, 360, 364, 368],
+    "itemsize": HEADER_BYTES,
+})
+
+
+class RingError(GreyhoundError):
+    """A ring file is missing, not a greyhound ring, or of another layout version."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RingInfo:
+    """Who wrote a ring: the fixed part of its header."""
+
+    path: Path
+    """The ring file."""
+    rank: int
+    """Global rank the hook found in the launcher's environment, -1 if none."""
+    pid: int
+    """Process id of the writer."""
+    job_id: str
+    """GREYHOUND_JOB_ID of the writer ('' if unset)."""
+    hostname: str
+    """Host the writer ran on."""
+    capacity: int
+    """Records the ring holds before it overwrites the oldest."""
+    t0_monotonic_ns: int
+    """CLOCK_MONOTONIC at ring creation; with t0_realtime_ns converts record times."""
+    t0_realtime_ns: int
+    """CLOCK_REALTIME at the same moment."""
+    pause_timeout_s: float
+    """How long the pause gate holds a call before letting it go."""
+    trace: bool
+    """GREYHOUND_TRACE=on: NCCL ops are device-timed (DONE records)."""
+
+    def unix_seconds(self, t_ns: np.ndarray | int) -> np.ndarray | float:
+        """Converts record times (CLOCK_MONOTONIC ns) to Unix seconds."""
+        return (np.asarray(t_ns, dtype=np.int64) - self.t0_monotonic_ns
+                + self.t0_realtime_ns) / 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batch:
+    """What one :meth:`RingReader.read` returned."""
+
+    records: np.ndarray
+    """Committed records in write order, RECORD_DTYPE, shape (n,)."""
+    lost: int
+    """Records that were overwritten (or never committed) before this reader got them."""
+
+
+def ring_paths(run_dir: str | os.PathLike) -> list[Path]:
+    """The ring files in a run dir, ordered by the rank in their name, then by name."""
+    def key(p: Path) -> tuple[int, str]:
+        head = p.name.split(".")[1]
+        return (int(head), p.name) if head.isdigit() else (1 << 40, p.name)
+
+    return sorted((p for p in Path(run_dir).glob("ring.*") if p.is_file()), key=key)
+
+
+class RingReader:
+    """Tails one ring file.
+
+    Args:
+        path: the ring file.
+        publish: write the read position back into the ring (the agent does; a
+            passive inspector passes False and opens the file read-only, and
+            then cannot drive the gate).
+
+    Raises:
+        RingError: the file cannot be opened or is not a ring of this version.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, publish: bool = True) -> None:
+        self.path = Path(path)
+        self._publish = publish
+        try:
+            fd = os.open(self.path, (os.O_RDWR if publish else os.O_RDONLY) | os.O_CLOEXEC)
+        except OSError as exc:
+            raise RingError(f"ring: cannot open {self.path}: {exc.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise RingError(f"ring: {self.path} is {size} bytes, smaller than a ring header")
+            access = mmap.ACCESS_WRITE if publish else mmap.ACCESS_READ
+            self._map = mmap.mmap(fd, size, access=access)
+        finally:
+            os.close(fd)
+        self._hdr = np.ndarray((), dtype=HEADER_DTYPE, buffer=self._map, offset=0)
+        self._check(size)
+        h = self._hdr
+        self.info = RingInfo(
+            path=self.path, rank=int(h["rank"]), pid=int(h["pid"]),
+            job_id=h["job_id"].item().decode(errors="replace"),
+            hostname=h["hostname"].item().decode(errors="replace"),
+            capacity=int(h["capacity"]), t0_monotonic_ns=int(h["t0_monotonic_ns"]),
+            t0_realtime_ns=int(h["t0_realtime_ns"]),
+            pause_timeout_s=int(h["pause_timeout_ns"]) / 1e9,
+            trace=bool(int(h["hook_flags"]) & HOOK_TRACE),
+        )
+        cap = self.info.capacity
+        self._records = np.ndarray((cap,), dtype=RECORD_DTYPE, buffer=self._map,
+                                   offset=int(h["records_offset"]))
+        self._comms = np.ndarray((int(h["comm_capacity"]),), dtype=COMM_DTYPE,
+                                 buffer=self._map, offset=int(h["comms_offset"]))
+        self._pos = 0
+        self._pending_since: int | None = None
+        self._epoch = 0
+
+    def _check(self, size: int) -> None:
+        h = self._hdr
+        if h["magic"].item().ljust(8, b"\0") != MAGIC:
+            raise RingError(f"ring: {self.path} is not a greyhound ring (or not ready yet)")
+        if int(h["version"]) != VERSION:
+            raise RingError(f"ring: {self.path} has layout version {int(h['version'])}; "
+                            f"this reader knows version {VERSION}")
+        if (int(h["header_bytes"]) != HEADER_BYTES
+                or int(h["record_bytes"]) != RECORD_DTYPE.itemsize
+                or int(h["comm_bytes"]) != COMM_DTYPE.itemsize):
+            raise RingError(f"ring: {self.path} has record sizes {int(h['record_bytes'])}/"
+                            f"{int(h['comm_bytes'])}; expected {RECORD_DTYPE.itemsize}/"
+                            f"{COMM_DTYPE.itemsize}")
+        cap = int(h["capacity"])
+        end = int(h["records_offset"]) + cap * RECORD_DTYPE.itemsize
+        if cap <= 0 or cap & (cap - 1) or end > size:
+            raise RingError(f"ring: {self.path} claims {cap} records, which do not fit "
+                            f"its {size} bytes")
+
+    # ---- records ----------------------------------------------------------------
+
+    @property
+    def head(self) -> int:
+        """Records written so far (including overwritten ones)."""
+        return int(self._hdr["head"])
+
+    @property
+    def position(self) -> int:
+        """Index of the next record this reader will return."""
+        return self._pos
+
+    def counters(self) -> dict[str, int]:
+        """The hook's counters: drops, gate waits and timeouts, events skipped."""
+        h = self._hdr
+        return {k: int(h[k]) for k in ("head", "drops", "gate_waits", "gate_timeouts",
+                                        "parked", "comm_overflow", "events_skipped")}
+
+    def read(self, max_records: int | None = None) -> Batch:
+        """Returns the records committed since the last read.
+
+        A record still being written stops the read there (it is returned next
+        time); one that stays unfinished while later ones are committed (its
+        writer died) is skipped and counted as lost.
+        """
+        cap = self.info.capacity
+        head = self.head
+        start, lost = self._pos, 0
+        if head - start > cap:
+            lost = head - cap - start
+            start = head - cap
+        stop = head if max_records is None else min(head, start + max_records)
+        if stop <= start:
+            return Batch(records=np.empty(0, dtype=RECORD_DTYPE), lost=lost)
+        idx = np.arange(start, stop, dtype=np.uint64)
+        slots = (idx & np.uint64(cap - 1)).astype(np.intp)
+        copy = self._records[slots]  # fancy indexing copies
+        # Re-read seq after the copy: a slot rewritten meanwhile had seq cleared
+        # before its fields changed, so equal seqs mean an untorn copy.
+        again = self._records["seq"][slots]
+        want = idx + np.uint64(1)
+        ok = (copy["seq"] == want) & (again == want)
+        overwritten = (copy["seq"] > want) | (again > want)
+        unfinished = ~ok & ~overwritten
+        end = stop
+        if unfinished.any():
+            first = int(np.argmax(unfinished))
+            if self._pending_since == start + first and ok[first + 1:].any():
+                # Unfinished a read ago too, with newer records committed since:
+                # its writer died mid-record. Skip it.
+                unfinished[first] = False
+                lost += 1
+            if unfinished.any():
+                end = start + int(np.argmax(unfinished))
+        self._pending_since = end if end < stop else None
+        n = end - start
+        lost += int(overwritten[:n].sum())
+        self._advance(end)
+        return Batch(records=copy[:n][ok[:n]], lost=lost)
+
+    def _advance(self, pos: int) -> None:
+        self._pos = pos
+        if self._publish:
+            # An aligned 8-byte store: atomic for the hook's relaxed load.
+            self._hdr["reader_pos"] = pos
+
+    def comms(self) -> np.ndarray:
+        """Communicators described so far, COMM_DTYPE, shape (k,)."""
+        n = min(int(self._hdr["num_comms"]), len(self._comms))
+        table = self._comms[:n].copy()
+        return table[table["state"] != COMM_EMPTY]
+
+    # ---- pause gate -----------------------------------------------------------
+
+    def pause(self) -> int:
+        """Sets the gate: the rank's next intercepted call waits. Returns the epoch."""
+        if not self._publish:
+            raise RingError(f"ring: {self.path} was opened read-only; it cannot be paused")
+        self._epoch = (max(self._epoch, int(self._hdr["gate"])) % 0xFFFFFFFE) + 1
+        self._hdr["gate"] = self._epoch
+        return self._epoch
+
+    def resume(self) -> None:
+        """Clears the gate: held calls go on within about a millisecond."""
+        if not self._publish:
+            raise RingError(f"ring: {self.path} was opened read-only; it cannot be resumed")
+        self._hdr["gate"] = 0
+
+    @property
+    def parked(self) -> int:
+        """Threads of the rank held at the gate right now."""
+        return int(self._hdr["parked"])
+
+    def close(self) -> None:
+        """Releases the mapping (arrays returned by read stay valid: they are copies)."""
+        self._hdr = None
+        self._records = None
+        self._comms = None
+        self._map.close()
+
+    def __enter__(self) -> RingReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def op_names(records: np.ndarray) -> np.ndarray:
+    """Op names of records, shape (n,) of str."""
+    names = np.asarray(OP_NAMES + ("?",), dtype=object)
+    return names[np.minimum(records["op"], len(OP_NAMES))]
+
+
+def call_records(records: np.ndarray) -> np.ndarray:
+    """The communication calls among records (no waits, groups, comm events, pauses)."""
+    return records[np.isin(records["op"], list(CALL_OPS))]
