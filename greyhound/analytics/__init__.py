@@ -1,0 +1,11 @@
+"""Tracking analytics of GREYHOUND-DETECT: pure numpy functions, arrays in, arrays out.
+
+- :mod:`.period`: the iteration period of a rank's call sequence (ACF) and the
+  iteration times it implies.
+- :mod:`.bocd`: Bayesian online change-point detection on log iteration times.
+- :mod:`.verify`: BOCD+V, a BOCD change point counts only if the level moved >= 10%.
+- :mod:`.baselines`: the paper's two baselines (sliding-window median, plain BOCD).
+- :mod:`.intervals`: slow intervals (onset, recovery, severity) from change points.
+- :mod:`.detect`: the whole pipeline as one call, as ``greyhound detect`` runs it.
+- :mod:`.synthetic`: seeded generators of labelled series and call traces.
+"""

@@ -1,0 +1,78 @@
+"""What every detector reports, and the bounded history it reads levels from."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+__all__ = ["ChangePoint", "RecentValues", "level_ratio"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChangePoint:
+    """A change of the iteration-time level."""
+
+    index: int
+    """First iteration of the new regime."""
+    detected_at: int
+    """Iteration at which the online detector reported it (>= index)."""
+    before: float
+    """Level (median seconds) of the old regime just before ``index``."""
+    after: float
+    """Level (median seconds) of the new regime from ``index`` to ``detected_at``."""
+
+    @property
+    def ratio(self) -> float:
+        """after / before: > 1 slower, < 1 faster."""
+        return self.after / self.before
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "index": self.index, "detected_at": self.detected_at,
+            "before": self.before, "after": self.after, "ratio": self.ratio,
+        }
+
+
+class RecentValues:
+    """The last ``capacity`` values of a stream, addressed by absolute index."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._values: collections.deque[float] = collections.deque(maxlen=capacity)
+        self.count = 0
+        """Values appended so far; the next one gets this index."""
+
+    def append(self, value: float) -> None:
+        self._values.append(value)
+        self.count += 1
+
+    def window(self, start: int, stop: int) -> np.ndarray:
+        """Values with absolute index in [start, stop), clipped to what is kept."""
+        first = self.count - len(self._values)
+        lo, hi = max(start, first) - first, max(min(stop, self.count) - first, 0)
+        return np.array([self._values[i] for i in range(lo, hi)], dtype=np.float64)
+
+
+def level_ratio(
+    values: RecentValues, *, regime_start: int, index: int, now: int, before_window: int
+) -> tuple[float, float, float]:
+    """Levels before ``index`` (within the regime) and from ``index`` to ``now``.
+
+    Medians, not the paper's means: with the three or four points available a few
+    iterations after a change, one garbage-collection spike would move a mean by tens of
+    percent. ``after_low`` / ``after_high`` are the lower / upper median of the points
+    after: a strict majority of them lies at or above / at or below it, so a change
+    judged on them is backed by most of the new iterations, not by two spikes of four.
+
+    Returns:
+        (before, after_low, after_high) in the values' unit.
+    """
+    before = values.window(max(regime_start, index - before_window), index)
+    if len(before) == 0:
+        before = values.window(index - 1, index)
+    after = np.sort(values.window(index, now + 1))
+    m = len(after)
+    return float(np.median(before)), float(after[(m - 1) // 2]), float(after[m // 2])
