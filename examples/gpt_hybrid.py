@@ -40,13 +40,13 @@ from hybrid.config import (  # noqa: E402
 PROG = "gpt_hybrid"
 
 
-class _UsageError(Exception):
+class _ArgError(Exception):
     pass
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, no usage dump
-        raise _UsageError(message)
+        raise _ArgError(message)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def configs_from_args(argv: list[str] | None = None) -> tuple[TrainConfig, ModelConfig, DataConfig]:
-    """Parse the command line into the run's configs (ValueError / _UsageError on bad input)."""
+    """Parse the command line into the run's configs (ValueError / _ArgError on bad input)."""
     a = build_parser().parse_args(argv)
     split = parse_split(a.microbatch_split) if a.microbatch_split is not None else None
     if a.global_microbatches is not None and a.global_microbatches < 1:
@@ -140,24 +140,38 @@ def _is_rank0() -> bool:
 def main(argv: list[str] | None = None) -> int:
     try:
         train_cfg, model_cfg, data_cfg = configs_from_args(argv)
-    except (_UsageError, ValueError) as exc:
+    except (_ArgError, ValueError) as exc:
         if _is_rank0():
             print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format=f"{PROG}: %(message)s")
-    from greyhound.errors import GreyhoundError
-    from hybrid.checkpoint import CheckpointError
     from hybrid.launch import LaunchError, detect
-    from hybrid.train import train
+    from hybrid.layout import ParallelLayout
 
     try:
         penv = detect()
-        train(train_cfg, model_cfg, data_cfg, penv)
-    except ValueError as exc:  # world size vs --dp x --pp, backend
+        ParallelLayout(dp=train_cfg.dp, pp=train_cfg.pp, world_size=penv.world_size,
+                       rank_order=train_cfg.rank_order)
+    except ValueError as exc:
         if _is_rank0():
             print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    except (LaunchError, CheckpointError, GreyhoundError) as exc:
+    except LaunchError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    # torch is imported only now: a bad command line is reported in milliseconds.
+    from greyhound.errors import GreyhoundError
+    from hybrid.checkpoint import CheckpointError
+    from hybrid.config import UsageError
+    from hybrid.train import train
+
+    try:
+        train(train_cfg, model_cfg, data_cfg, penv)
+    except UsageError as exc:  # e.g. --backend nccl without CUDA
+        if _is_rank0():
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except (CheckpointError, GreyhoundError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -243,6 +243,14 @@ class TimelineRecorder:
             chunk = 0 if microbatches[0] >= 0 else -1
         return _Span(self, optypes, microbatches, chunk)
 
+    def record(self, optype: str, *, microbatch: int = -1, start: float, duration: float,
+               chunk: int | None = None) -> None:
+        """Add an op timed elsewhere (e.g. with CUDA events), on the recorder's clock."""
+        if self._active:
+            if chunk is None:
+                chunk = 0 if microbatch >= 0 else -1
+            self._ops.append((optype, int(microbatch), chunk, float(start), float(duration)))
+
     def seqlens(self, microbatch: int, lengths) -> None:
         """Note the sample lengths (tokens) of micro-batch ``microbatch`` of this step."""
         if self._active:

@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 SEQLEN_DISTRIBUTIONS = ("uniform", "fixed", "lognormal", "bimodal")
 RANK_ORDERS = ("dp-fast", "pp-fast")
+
+
+class UsageError(ValueError):
+    """A user setting that only turns out wrong at run time (e.g. nccl without CUDA)."""
+
 BACKENDS = ("auto", "gloo", "nccl")
 
 

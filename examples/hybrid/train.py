@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid import checkpoint
-from hybrid.config import DataConfig, ModelConfig, TrainConfig
+from hybrid.config import DataConfig, ModelConfig, TrainConfig, UsageError
 from hybrid.data import SyntheticData
 from hybrid.grads import MainGrads
 from hybrid.launch import ProcessEnv
@@ -31,7 +31,7 @@ def _backend(name: str) -> str:
     if name == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if name == "nccl" and not torch.cuda.is_available():
-        raise ValueError("--backend nccl needs CUDA, and this torch/machine has none; use gloo")
+        raise UsageError("--backend nccl needs CUDA, and this torch/machine has none; use gloo")
     return name
 
 
@@ -59,7 +59,7 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig, data_cfg: DataConfig, penv: 
     layout = ParallelLayout(dp=cfg.dp, pp=cfg.pp, world_size=penv.world_size, rank_order=cfg.rank_order)
     layers_of = split_layers(model_cfg.num_layers, cfg.pp, cfg.stage_layers)
     if data_cfg.seq_len > model_cfg.max_seq_len:
-        raise ValueError(f"--seq-len={data_cfg.seq_len} exceeds the model's --max-seq-len={model_cfg.max_seq_len}")
+        raise UsageError(f"--seq-len={data_cfg.seq_len} exceeds the model's --max-seq-len={model_cfg.max_seq_len}")
     if backend == "nccl":
         device = torch.device("cuda", penv.local_rank)
         torch.cuda.set_device(device)
