@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -144,7 +145,16 @@ static int read_config(uint32_t *capacity, uint32_t *hook_flags)
 static int reserve(int fd, size_t bytes)
 {
 	static const char zeros[65536];
-	int rv = posix_fallocate(fd, 0, (off_t)bytes);
+	struct rlimit lim;
+	int rv;
+
+	/* Growing a file past RLIMIT_FSIZE raises SIGXFSZ, which kills: check first. */
+	if (getrlimit(RLIMIT_FSIZE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY &&
+	    lim.rlim_cur < bytes) {
+		errno = EFBIG;
+		return -1;
+	}
+	rv = posix_fallocate(fd, 0, (off_t)bytes);
 
 	if (rv == 0)
 		return 0;

@@ -1,0 +1,69 @@
+/*
+ * A one-rank NCCL program, run under the hook against the test double.
+ * usage: nccl_prog ID_FILE ITERATIONS
+ * ID_FILE holds the 128-byte ncclUniqueId (created if missing), so two processes
+ * can share one. Prints "ok" and exits 0 when every result is right.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <nccl.h>
+
+#define N 256
+#define CHECK(x) do { ncclResult_t r_ = (x); if (r_ != ncclSuccess) { \
+	fprintf(stderr, "%s: %d\n", #x, r_); return 1; } } while (0)
+
+int main(int argc, char **argv)
+{
+	float a[N], b[N];
+	double d[N / 2];
+	ncclUniqueId id;
+	ncclComm_t comm, sub, none;
+	FILE *f;
+	int iters = argc > 2 ? atoi(argv[2]) : 1;
+
+	if (argc < 2)
+		return 2;
+	f = fopen(argv[1], "rb");
+	if (f) {
+		if (fread(&id, sizeof(id), 1, f) != 1)
+			return 2;
+		fclose(f);
+	} else {
+		CHECK(ncclGetUniqueId(&id));
+		f = fopen(argv[1], "wb");
+		if (!f || fwrite(&id, sizeof(id), 1, f) != 1)
+			return 2;
+		fclose(f);
+	}
+	CHECK(ncclCommInitRank(&comm, 1, id, 0));
+	for (int it = 0; it < iters; it++) {
+		for (int i = 0; i < N; i++)
+			a[i] = (float)(i + it), b[i] = -1;
+		CHECK(ncclAllReduce(a, b, N, ncclFloat32, ncclSum, comm, NULL));
+		for (int i = 0; i < N; i++)
+			if (b[i] != (float)(i + it))
+				return 3;
+		CHECK(ncclReduceScatter(a, b, N / 2, ncclFloat32, ncclSum, comm, NULL));
+		CHECK(ncclAllGather(a, b, N / 4, ncclFloat32, comm, NULL));
+		CHECK(ncclBroadcast(a, b, 10, ncclInt8, 0, comm, NULL));
+		CHECK(ncclBcast(d, N / 2, ncclFloat64, 0, comm, NULL));
+		CHECK(ncclReduce(a, b, 3, ncclInt64, ncclMax, 0, comm, NULL));
+		memset(b, 0, sizeof(b));
+		CHECK(ncclGroupStart());
+		CHECK(ncclSend(a, 8, ncclFloat32, 0, comm, NULL));
+		CHECK(ncclRecv(b, 8, ncclFloat32, 0, comm, NULL));
+		CHECK(ncclGroupEnd());
+		for (int i = 0; i < 8; i++)
+			if (b[i] != a[i])
+				return 4;
+	}
+	CHECK(ncclCommSplit(comm, 7, 0, &sub, NULL));
+	CHECK(ncclAllReduce(a, b, 5, ncclBfloat16, ncclSum, sub, NULL));
+	CHECK(ncclCommSplit(comm, NCCL_SPLIT_NOCOLOR, 0, &none, NULL));
+	CHECK(ncclCommDestroy(sub));
+	CHECK(ncclCommDestroy(comm));
+	printf("ok\n");
+	return 0;
+}
