@@ -38,6 +38,9 @@ def main(verbose: int) -> None:
 # (module, attribute) of each subcommand; one line per command.
 _SUBCOMMANDS: list[tuple[str, str]] = [
     ("postmortem.cli", "postmortem"),
+    ("greyhound.detect_cli", "detect"),
+    ("postmortem.merge", "merge_command"),
+    ("greyhound.report_cli", "report"),
 ]
 
 
