@@ -63,6 +63,51 @@ static int make_run_dir(const char *path, uid_t uid, gid_t gid)
 	return 0;
 }
 
+/*
+ * Records the job's effective options in the run directory for the post-mortem
+ * (EpilogSlurmctld does not see the job's environment). Atomic: tmp + rename.
+ */
+static int write_options_file(const char *run_dir, uid_t uid, gid_t gid)
+{
+	char path[PATH_MAX], tmp[PATH_MAX] = "";
+	FILE *f = NULL;
+	int n, fd = -1, rv = -1;
+
+	n = snprintf(path, sizeof(path), "%s/options", run_dir);
+	if (n < 0 || (size_t)n >= sizeof(path))
+		goto fail;
+	n = snprintf(tmp, sizeof(tmp), "%s/.options.%d", run_dir, (int)getpid());
+	if (n < 0 || (size_t)n >= sizeof(tmp))
+		goto fail;
+	fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+	if (fd < 0 || (f = fdopen(fd, "w")) == NULL)
+		goto fail;
+	fd = -1;
+	fprintf(f, "mode=%s\ntrace=%s\nreport=%s\n", gh_effective_mode(&gh_config, &gh_options),
+		gh_options.trace == 0 ? "off" : "on", gh_options.report);
+	if (fclose(f) != 0) {
+		f = NULL;
+		goto fail;
+	}
+	f = NULL;
+	if (geteuid() == 0 && chown(tmp, uid, gid) < 0)
+		goto fail;
+	if (rename(tmp, path) < 0)
+		goto fail;
+	rv = 0;
+fail:
+	if (f)
+		fclose(f);
+	if (fd >= 0)
+		close(fd);
+	if (rv < 0) {
+		slurm_error("greyhound: remote: cannot write %s/options: %s", run_dir, strerror(errno));
+		if (tmp[0])
+			unlink(tmp);
+	}
+	return rv;
+}
+
 /* Prepends lib to a colon-separated list, dropping other copies of lib. */
 static int prepend_path(char *out, size_t out_len, const char *lib, const char *list)
 {
@@ -132,6 +177,7 @@ int gh_remote_user_init(spank_t sp)
 		slurm_error("greyhound: remote: no run directory; greyhound is off for job %u", job_id);
 		return 0;
 	}
+	write_options_file(run_dir, uid, gid);
 	if (set_env(sp, "GREYHOUND_JOB_ID", job_id_str) < 0 ||
 	    set_env(sp, "GREYHOUND_MODE", gh_effective_mode(&gh_config, &gh_options)) < 0 ||
 	    set_env(sp, "GREYHOUND_RUN_DIR", run_dir) < 0 ||
