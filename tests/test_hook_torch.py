@@ -1,0 +1,118 @@
+"""torch.distributed (gloo) recorded through sitecustomize, with no change to the program."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+
+import pytest
+
+from greyhound.capture._greyhound_capture import FNV_OFFSET, fnv1a_i32
+from greyhound.ring import F_ASYNC, F_GROUPED, OP, RingReader, op_names, ring_paths
+from hook_support import PYTHON, ROOT, base_env, hook_lib, run
+
+torch = pytest.importorskip("torch")
+PROG = str(ROOT / "tests" / "hook_progs" / "torch_ops.py")
+CAPTURE = ROOT / "greyhound" / "capture"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pair(run_dir, out_dir, env):
+    port = str(free_port())
+    procs = [subprocess.Popen([PYTHON, PROG, str(r), "2", port, str(out_dir)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    return {r: json.loads((out_dir / f"out.{r}.json").read_text()) for r in (0, 1)}, outs
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    env = base_env(run_dir, hook_lib(), PYTHONPATH=str(CAPTURE))
+    with_capture, outs = run_pair(run_dir, tmp_path_factory.mktemp("out"), env)
+    plain, _ = run_pair(None, tmp_path_factory.mktemp("out"), base_env(None))
+    return run_dir, with_capture, plain, outs
+
+
+def test_results_identical_and_nothing_printed(pair):
+    _, with_capture, plain, outs = pair
+    assert with_capture == plain
+    assert with_capture[1]["all_reduce"] == [1.0, 3.0, 5.0, 7.0]
+    assert all("greyhound" not in out + err for out, err in outs)
+
+
+EXPECTED = [  # (op, bytes, peer of rank 0, peer of rank 1, flags)
+    ("AllReduce", 16, -1, -1, 0),
+    ("ReduceScatter", 32, -1, -1, 0),
+    ("AllGather", 24, -1, -1, 0),
+    ("AllGather", 16, -1, -1, 0),
+    ("Broadcast", 20, 1, 1, 0),
+    ("Send|Recv", 48, 1, 0, 0),
+    ("AllReduce", 8, -1, -1, F_ASYNC),
+    ("Wait", 0, -1, -1, 0),
+    ("Send", 12, 1, 0, F_ASYNC | F_GROUPED),
+    ("Recv", 12, 1, 0, F_ASYNC | F_GROUPED),
+    ("Group", 2, -1, -1, 0),
+    ("Wait", 0, -1, -1, 0),
+    ("Wait", 0, -1, -1, 0),
+    ("Barrier", 0, -1, -1, 0),
+    ("AllReduce", 4, -1, -1, 0),
+]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_call_recorded(pair, rank):
+    run_dir = pair[0]
+    assert [p.name for p in ring_paths(run_dir)] == ["ring.0", "ring.1"]
+    with RingReader(run_dir / f"ring.{rank}") as ring:
+        recs = ring.read().records
+        comms = ring.comms()
+    recs = recs[recs["op"] != OP["CommInit"]]
+    got = list(zip(op_names(recs), recs["size_bytes"].tolist(), recs["peer"].tolist(),
+                   (recs["flags"] & (F_ASYNC | F_GROUPED)).tolist(), strict=True))
+    want = [(op.split("|")[rank] if "|" in op else op, n, p0 if rank == 0 else p1, f)
+            for op, n, p0, p1, f in EXPECTED]
+    assert got == want
+    world = fnv1a_i32(fnv1a_i32(FNV_OFFSET, [0, 1]), [0])
+    pair_id = fnv1a_i32(fnv1a_i32(FNV_OFFSET, [0, 1]), [1])   # same members, 2nd group
+    calls = recs[~((recs["op"] == OP["Wait"]) | (recs["op"] == OP["Group"]))]
+    assert calls["comm_id"].tolist() == [world] * (len(calls) - 1) + [pair_id]
+    assert set(recs["source"].tolist()) == {3}
+    # Each async op's Wait names it.
+    assert recs[7]["req_id"] == recs[6]["req_id"] != 0
+    assert sorted(recs["req_id"][11:13].tolist()) == sorted(recs["req_id"][8:10].tolist())
+    assert {(int(c["comm_id"]), int(c["size"]), int(c["rank"])) for c in comms} == {
+        (world, 2, rank), (pair_id, 2, rank)}
+
+
+def test_no_greyhound_environment_is_a_no_op(tmp_path):
+    code = ("import torch.distributed as d, sys; "
+            "print(hasattr(d.all_reduce, '__greyhound_wrapped__'), "
+            "'_greyhound_capture' in sys.modules)")
+    env = base_env(None, None, PYTHONPATH=str(CAPTURE))
+    proc = run([PYTHON, "-c", code], env)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "False False\n", "")
+    env = base_env(tmp_path, hook_lib(), PYTHONPATH=str(CAPTURE))
+    proc = run([PYTHON, "-c", code], env)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "True True\n", "")
+    assert list(tmp_path.iterdir()) == []   # importing torch opens no ring
+
+
+def test_chains_the_sitecustomize_it_shadows(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import os\nos.environ['OTHER_SITE'] = 'ran'\n")
+    env = base_env(None, None, PYTHONPATH=f"{CAPTURE}:{other}")
+    proc = run([PYTHON, "-c", "import os, sitecustomize; print(os.environ.get('OTHER_SITE'), "
+                "sitecustomize.__file__)"], env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"ran {CAPTURE / 'sitecustomize.py'}\n"
