@@ -1,0 +1,81 @@
+"""The hook built with ASan + UBSan (`make -C spank asan`), under MPI, NCCL and the gate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from greyhound.ring import F_GATE_TIMEOUT, OP, RingReader, ring_paths
+from hook_support import (PYTHON, ROOT, asan_preload, base_env, hook_lib_asan, mpirun,
+                          nccl_prog, run)
+
+SAN = {"ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:abort_on_error=0",
+       "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
+
+
+def san_env(run_dir, **extra):
+    env = base_env(run_dir, None, **SAN, **extra)
+    env["LD_PRELOAD"] = f"{asan_preload()}:{hook_lib_asan()}"
+    return env
+
+
+def assert_clean(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for marker in ("AddressSanitizer", "runtime error", "LeakSanitizer", "greyhound: hook:"):
+        assert marker not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not asan_preload().startswith("/"):
+        pytest.skip("gcc has no ASan runtime here")
+    hook_lib_asan()
+
+
+def test_mpi_two_ranks_under_sanitizers(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = mpirun(2, [PYTHON, str(ROOT / "tests" / "hook_progs" / "mpi_ops.py"), str(out)],
+                  san_env(tmp_path), timeout=120)
+    assert_clean(proc)
+    for path in ring_paths(tmp_path):
+        with RingReader(path) as ring:
+            recs = ring.read().records
+        assert np.count_nonzero(recs["op"] == OP["AllReduce"]) == 3
+
+
+def test_nccl_double_with_device_timing_under_sanitizers(tmp_path):
+    (tmp_path / "run").mkdir()
+    proc = run([str(nccl_prog()), str(tmp_path / "id"), "20"],
+               san_env(tmp_path / "run", GREYHOUND_TRACE="on"))
+    assert_clean(proc)
+    assert proc.stdout == "ok\n"
+    (path,) = ring_paths(tmp_path / "run")
+    with RingReader(path) as ring:
+        assert np.count_nonzero(ring.read().records["op"] == OP["Done"]) >= 160
+
+
+def test_overflow_and_gate_timeout_under_sanitizers(tmp_path):
+    import subprocess
+    import time
+
+    env = san_env(tmp_path, GREYHOUND_RING_RECORDS="16", GREYHOUND_PAUSE_TIMEOUT_S="0.2")
+    proc = subprocess.Popen([PYTHON, str(ROOT / "tests" / "hook_progs" / "mpi_loop.py"), "200",
+                             "0.001"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ring_paths(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with RingReader(ring_paths(tmp_path)[0]) as ring:
+            ring.pause()
+            out, err = proc.communicate(timeout=120)
+            counters = ring.counters()
+            recs = ring.read().records
+    finally:
+        proc.kill()
+    assert_clean(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    assert out == "200\n"
+    assert counters["gate_timeouts"] == 1 and counters["drops"] == counters["head"] - 16
+    pauses = recs[recs["op"] == OP["Pause"]]
+    assert len(pauses) <= 1 and all(p["flags"] & F_GATE_TIMEOUT for p in pauses)
