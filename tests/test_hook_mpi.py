@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import numpy as np
 import pytest
@@ -123,3 +124,26 @@ def test_program_without_mpi_gets_nothing(tmp_path):
     proc = run([PYTHON, "-c", "import numpy; print('hello')"], base_env(tmp_path, hook_lib()))
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "hello\n", "")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_c_program_linked_to_libmpi(tmp_path):
+    # MPI_COMM_WORLD is copy-relocated into such an executable: the hook must use
+    # that copy (the one libmpi uses), not libmpi's unused original.
+    exe = tmp_path / "mpi_c_ops"
+    subprocess.run(["mpicc", "-O1", "-g", "-o", str(exe),
+                    str(ROOT / "tests" / "hook_progs" / "mpi_c_ops.c")], check=True)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = mpirun(2, [str(exe)], base_env(run_dir, hook_lib()))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["0 3 2 1", "1 3 2 0"]
+    assert proc.stderr == ""
+    for rank in (0, 1):
+        with RingReader(run_dir / f"ring.{rank}") as r:
+            recs = r.read().records
+        calls = recs[~np.isin(recs["op"], [OP["CommInit"], OP["CommDestroy"]])]
+        assert list(op_names(calls)) == ["AllReduce", "AllReduce", "Recv", "Send", "Wait",
+                                         "Wait", "Barrier"]
+        ids = calls["comm_id"].tolist()
+        assert ids[0] == ids[2] == ids[3] == ids[6] == comm_id([0, 1])
+        assert ids[1] == comm_id([0, 1], 1)

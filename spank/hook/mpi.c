@@ -15,6 +15,7 @@
  * looked up at run time because its address lives in libmpi.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <mpi.h>
 #include <stdint.h>
 
@@ -44,7 +45,16 @@ static MPI_Comm world_comm(void)
 	void *w = __atomic_load_n(&world, __ATOMIC_ACQUIRE);
 
 	if (!w) {
-		w = gh_lookup_loaded("ompi_mpi_comm_world");
+		/*
+		 * A data symbol: an executable linked to libmpi holds a copy of it
+		 * (copy relocation) that libmpi itself uses, so search from the
+		 * executable (RTLD_DEFAULT), not after the hook (RTLD_NEXT), which
+		 * would find libmpi's unused original. Only a libmpi opened
+		 * RTLD_LOCAL (no copy anywhere) is searched for by object.
+		 */
+		w = dlsym(RTLD_DEFAULT, "ompi_mpi_comm_world");
+		if (!w)
+			w = gh_lookup_loaded("ompi_mpi_comm_world");
 		__atomic_store_n(&world, w, __ATOMIC_RELEASE);
 	}
 	return (MPI_Comm)w;
