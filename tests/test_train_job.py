@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -68,6 +69,14 @@ def runs(tmp_path_factory):
             "--checkpoint-every", "3", "--metrics", str(tmp / "resumed.jsonl"),
             "--trace", str(tmp / "trace-resumed"), "--trace-every", "2"]
     out["crash"] = _run(tmp, "crash", ckpt + ["--crash-at-step", "4"])
+    # A copy of the step-3 checkpoint, resumed on half the ranks (greyhound's S4 requeue
+    # without a node): DP=1, the same global batch of 16 micro-batches.
+    (tmp / "ckpt-dp1").mkdir()
+    shutil.copytree(tmp / "ckpt" / "step-000003", tmp / "ckpt-dp1" / "step-000003")
+    (tmp / "ckpt-dp1" / "latest").write_text("step-000003\n")
+    out["resume_dp1"] = _run(tmp, "resume_dp1", ["--dp", "1", "--global-microbatches", "16", "--resume",
+                                                 "--checkpoint", str(tmp / "ckpt-dp1"),
+                                                 "--metrics", str(tmp / "resumed-dp1.jsonl")], nproc=4)
     out["resume"] = _run(tmp, "resume", ckpt + ["--resume"])
     return out, tmp
 
@@ -102,6 +111,15 @@ def test_checkpoint_kill_resume_matches_uninterrupted(runs):
     resumed = _losses(tmp / "resumed.jsonl")
     assert sorted(resumed) == list(range(STEPS))
     for step in range(STEPS):
+        assert abs(resumed[step] - even[step]) <= 1e-6, (step, resumed[step], even[step])
+
+
+def test_resume_on_fewer_dp_replicas_matches(runs):
+    _, tmp = runs
+    even = _losses(tmp / "even.jsonl")
+    resumed = _losses(tmp / "resumed-dp1.jsonl")
+    assert sorted(resumed) == [3, 4, 5]
+    for step in resumed:
         assert abs(resumed[step] - even[step]) <= 1e-6, (step, resumed[step], even[step])
 
 
