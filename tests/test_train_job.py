@@ -91,6 +91,17 @@ def test_dp2_pp4_trains_and_loss_goes_down(runs):
     assert np.mean(values[-2:]) < np.mean(values[:2]) - 0.1, values
 
 
+def test_golden_loss_curve(runs):
+    """The even run reproduces the recorded loss curve (tests/assets/losses/): a guard
+    against unintended changes of the model, data, schedule or optimizer.  The tolerance
+    allows other CPUs' float32 kernels, not a change of what is computed."""
+    _, tmp = runs
+    golden = json.loads((ROOT / "tests" / "assets" / "losses" / "gpt_hybrid_dp2_pp4.json").read_text())
+    assert golden["args"] == BASE + ["--dp", "2", "--microbatch-split", "8,8"]
+    loss = _losses(tmp / "even.jsonl")
+    np.testing.assert_allclose([loss[s] for s in range(STEPS)], golden["losses"], rtol=0, atol=1e-4)
+
+
 def test_uneven_splits_learn_the_same_as_even(runs):
     _, tmp = runs
     even = _losses(tmp / "even.jsonl")
