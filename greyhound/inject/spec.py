@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 
 SEVERITY_MAX = 0.95
 """The largest CPU fraction a compute injection may take: a rank kept at 5% of a CPU
