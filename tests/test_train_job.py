@@ -37,11 +37,13 @@ BASE = ["--pp", "4", "--steps", str(STEPS), "--seed", "3", "--layers", "4", "--d
 
 
 def _losses(path: Path) -> dict[int, float]:
-    """step -> loss (a step logged twice, before a crash and after the resume, keeps the last)."""
+    """step -> loss; every step once and in order (a resumed job drops the rows of the
+    steps after its checkpoint that the killed run logged)."""
     out = {}
     for line in path.read_text().splitlines():
         row = json.loads(line)
         assert set(row) >= {"step", "loss", "step_time"}
+        assert row["step"] not in out and all(row["step"] > s for s in out), (path, row)
         out[row["step"]] = row["loss"]
     return out
 
@@ -224,3 +226,14 @@ def test_torchrun_launch_matches_forked_run(tmp_path):
     assert sorted(a) == sorted(b) == [0, 1, 2]
     for step in a:
         assert abs(a[step] - b[step]) <= 1e-6
+
+
+def test_resume_without_a_checkpoint_starts_afresh(tmp_path):
+    """A requeued job passes --resume every time; the first time there is nothing yet."""
+    args = ["--dp", "1", "--pp", "1", "--steps", "2", "--layers", "1", "--dim", "16", "--heads", "2",
+            "--vocab", "32", "--seq-len", "8", "--global-microbatches", "2"]
+    codes = run_local(args + ["--checkpoint", str(tmp_path / "ck"), "--resume",
+                              "--metrics", str(tmp_path / "m.jsonl")], nproc=1, timeout_s=120)
+    assert codes == [0]
+    assert sorted(_losses(tmp_path / "m.jsonl")) == [0, 1]
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step-000002"

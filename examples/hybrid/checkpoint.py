@@ -58,13 +58,16 @@ def save(root: str, *, step: int, pp_rank: int, dp_rank: int, rank: int, module,
         os.replace(tmp, root_path / LATEST)
 
 
-def latest_step(root: str) -> int:
-    """Completed steps of the newest complete checkpoint under ``root``."""
+def latest_step(root: str) -> int | None:
+    """Completed steps of the newest complete checkpoint under ``root``; None when there
+    is none yet (a requeued job that always passes --resume then starts afresh)."""
     marker = Path(root) / LATEST
     try:
         name = marker.read_text().strip()
-    except OSError:
-        raise CheckpointError(f"no checkpoint to resume from in {root!r} (no {LATEST} file)") from None
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {marker}: {exc.strerror}") from None
     try:
         return int(name.removeprefix("step-"))
     except ValueError:

@@ -52,6 +52,24 @@ def _job_meta(cfg: TrainConfig, model_cfg: ModelConfig, data_cfg: DataConfig, jo
     }
 
 
+def _open_metrics(path: str, *, keep_before: int):
+    """Open the metrics file; on a resume keep the rows of the steps before the
+    checkpoint and drop those the killed run did after it (they are run again)."""
+    kept = []
+    if keep_before > 0 and os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] < keep_before:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line torn by the kill
+    f = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by the caller
+    f.writelines(kept)
+    f.flush()
+    return f
+
+
 def train(cfg: TrainConfig, model_cfg: ModelConfig, data_cfg: DataConfig, penv: ProcessEnv) -> list[dict]:
     """Run the job on this rank; returns the metrics rows on the metrics rank, else []."""
     torch.set_num_threads(cfg.threads)
@@ -98,11 +116,16 @@ def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, devi
 
     start_step = 0
     if cfg.resume:
-        start_step = checkpoint.latest_step(cfg.checkpoint_dir)
-        checkpoint.load(cfg.checkpoint_dir, step=start_step, pp_rank=pp_rank, module=module,
-                        optimizer=optimizer, layers=ctx_layers, device=device)
-        if rank == 0:
-            log.info("resumed from %s after step %d", cfg.checkpoint_dir, start_step)
+        saved = checkpoint.latest_step(cfg.checkpoint_dir)
+        if saved is None:
+            if rank == 0:
+                log.warning("--resume: no checkpoint in %s yet; starting at step 0", cfg.checkpoint_dir)
+        else:
+            start_step = saved
+            checkpoint.load(cfg.checkpoint_dir, step=start_step, pp_rank=pp_rank, module=module,
+                            optimizer=optimizer, layers=ctx_layers, device=device)
+            if rank == 0:
+                log.info("resumed from %s after step %d", cfg.checkpoint_dir, start_step)
 
     recorder = NO_RECORDER
     if cfg.trace_dir:
@@ -119,7 +142,7 @@ def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, devi
     metrics_rank = layout.rank_of(dp_rank=0, pp_rank=cfg.pp - 1)
     metrics_file = None
     if cfg.metrics and rank == metrics_rank:
-        metrics_file = open(cfg.metrics, "a" if cfg.resume else "w", encoding="utf-8")  # noqa: SIM115
+        metrics_file = _open_metrics(cfg.metrics, keep_before=start_step)
     rows: list[dict] = []
     m = cfg.microbatch_split[dp_rank]
     first_mb = cfg.first_microbatch(dp_rank)
