@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
