@@ -267,6 +267,29 @@ def test_a_process_cannot_be_slowed_twice(env, busy, tmp_path):
         thread.join(10)
 
 
+def test_every_thread_moves_and_moves_back(env, home_cgroup, tmp_path):
+    code = "import threading, time\nfor _ in range(3): threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\nprint(flush=True)\ntime.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        (home_cgroup / "cgroup.procs").write_text(str(proc.pid))
+        proc.stdout.readline()  # the threads run
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task"))
+        assert len(tids) == 4
+        stop, thread, _ = run_in_background(
+            [Planned(spec=ComputeSpec(pid=proc.pid), duration_s=20.0)], env, tmp_path / "t.jsonl")
+        try:
+            wait_until(lambda: cpu_cgroup(proc.pid).startswith(f"/{env.cgroup_parent}/"))
+            cgroup = CPU_ROOT / cpu_cgroup(proc.pid).lstrip("/")
+            assert sorted(int(t) for t in (cgroup / "tasks").read_text().split()) == tids
+        finally:
+            stop.set()
+            thread.join(10)
+        assert sorted(int(t) for t in (home_cgroup / "tasks").read_text().split()) == tids
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def _fake_rank(job: str, step: str, rank: int) -> subprocess.Popen:
     """A real process with a Slurm task's environment (no Slurm needed to find it)."""
     env = dict(os.environ, SLURM_JOB_ID=job, SLURM_STEP_ID=step, SLURM_PROCID=str(rank))

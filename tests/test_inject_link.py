@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from greyhound.errors import InputError
 from greyhound.inject import link, runner, truth
 from greyhound.inject.schedule import Planned
 from greyhound.inject.spec import LinkSpec
@@ -182,7 +183,7 @@ def test_node_link_is_throttled_both_ways_and_a_second_throttle_is_refused(fake_
         assert link.root_qdisc(None, host_dev) == "tbf"
         assert link.root_qdisc(ns, "eth0") == "tbf"
         second = runner.make_injection(LinkSpec(node=node, rate="100mbit"), env=env, injection_id="u")
-        with pytest.raises(Exception, match="already throttled"):
+        with pytest.raises(InputError, match="already throttled"):
             second.preflight()
     finally:
         injection.undo()
@@ -230,3 +231,36 @@ def test_schedule_runs_injections_at_their_offsets(pair, env, tmp_path):
         assert record["ended_by"] == "duration"
         assert record["end"] - record["start"] == pytest.approx(duration, abs=0.3)
     assert link.root_qdisc(pair["a"], "vA") == "noqueue" and link.root_qdisc(pair["b"], "vB") == "noqueue"
+
+
+def test_undo_all_removes_the_tbf_of_a_killed_injector(pair, env, tmp_path):
+    truth_path = tmp_path / "truth.jsonl"
+    proc = subprocess.Popen(
+        [str(GREYHOUND), "inject", "--state-dir", str(env.state_dir), "link", "--dev", "vB",
+         "--netns", pair["b"], "--rate", "20mbit", "--duration", "60", "--truth", str(truth_path)],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        assert "applied" in line, line + proc.stderr.read()
+        proc.kill()  # SIGKILL: no chance to undo
+        proc.wait()
+        assert link.root_qdisc(pair["b"], "vB") == "tbf"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        done = subprocess.run([str(GREYHOUND), "inject", "--state-dir", str(env.state_dir), "undo-all"],
+                              capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["undone"]) == 1
+    assert link.root_qdisc(pair["b"], "vB") == "noqueue"
+    (record,) = truth.read(truth_path)
+    assert record["ended_by"] == "undo-all" and record["severity"] == "20mbit"
+    assert record["links"] == [{"netns": pair["b"], "dev": "vB"}]
+
+
+def test_a_missing_node_link_says_how_to_get_one(env):
+    injection = runner.make_injection(LinkSpec(node="n987", rate="1mbit"), env=env, injection_id="x")
+    with pytest.raises(InputError, match=r"node n987: interface gh-veth987 does not exist.*"
+                                         r"scripts/cluster up --netns"):
+        injection.preflight()

@@ -103,7 +103,13 @@ class LinkInjection:
     def preflight(self) -> None:
         check_environment()
         for netns, dev in self.spec.links:
-            check_link(netns, dev)
+            try:
+                check_link(netns, dev)
+            except InputError as exc:
+                if self.spec.node is None:
+                    raise
+                raise InputError(f"node {self.spec.node}: {exc} (emulated nodes have their links "
+                                 "when the cluster runs with `scripts/cluster up --netns`)") from exc
 
     def resolve(self) -> None:
         self.preflight()  # the link may have changed since the schedule was checked
