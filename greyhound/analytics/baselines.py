@@ -22,8 +22,8 @@ class PlainBocd:
     def __init__(self, *, bocd: BocdConfig | None = None) -> None:
         self.bocd = bocd or BocdConfig()
         self._posterior = RunLengthPosterior(self.bocd)
-        self._values = RecentValues(_BEFORE_WINDOW + self.bocd.recent + 2)
-        self._armed_from = 1
+        self._values = RecentValues(_BEFORE_WINDOW + 2)
+        self._last_candidate = 0
         self._regime_start = 0
 
     def update(self, x: float) -> ChangePoint | None:
@@ -34,14 +34,13 @@ class PlainBocd:
         self._values.append(x)
         post.update(math.log(x))
         t = post.t
-        first = max(self._armed_from, t - self.bocd.recent + 1)
-        if post.prob_started_since(first) < self.bocd.threshold:
+        start = post.flagged_start(self._last_candidate)
+        if start is None:
             return None
-        start = post.most_likely_start_since(first)
-        self._armed_from = t + 1
+        self._last_candidate = start
         before, after_low, after_high = level_ratio(
-            self._values, regime_start=self._regime_start, index=start, now=t,
-            before_window=_BEFORE_WINDOW,
+            self._values, regime_start=self._regime_start, reference=start, index=start,
+            now=t, before_window=_BEFORE_WINDOW,
         )
         after = 0.5 * (after_low + after_high)
         self._regime_start = start

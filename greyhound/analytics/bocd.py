@@ -16,8 +16,8 @@ Where this departs from the textbook recursion, and why:
 - The run-length posterior here includes y_t (y_t may itself be the first point of a
   new segment). In the textbook form P(r_t = 0) is always H, so "P(r_t = 0) > 0.9"
   (the paper's rule) could never fire; here a change is flagged when the posterior
-  mass of segments started within the last ``recent`` iterations reaches
-  ``threshold``.
+  mass within one iteration of a start later than the last flagged one reaches
+  ``threshold`` (:meth:`RunLengthPosterior.flagged_start`).
 - Truncation: at most ``max_hypotheses`` are kept; when full, a new segment takes the
   slot of the least probable one, and every 16 observations hypotheses below
   exp(``prune_log``) of the most probable are dropped. The cost per iteration is then
@@ -76,10 +76,9 @@ class BocdConfig:
     clip: float = 5.0
     """Robust update: a point joins a hypothesis' statistics clipped to +- clip
     predictive scales of its mean."""
-    recent: int = 8
-    """A change is 'recent' if its segment started within the last ``recent`` points."""
     threshold: float = 0.9
-    """Posterior mass of recent segments that flags a change (the paper's 0.9)."""
+    """Posterior mass within one iteration of a new start that flags a change (the
+    paper's 0.9)."""
     prune_log: float = -23.0
     """Hypotheses below exp(prune_log) of the most probable one are dropped."""
     max_hypotheses: int = 48
@@ -96,7 +95,7 @@ class BocdConfig:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.expected_run <= 1:
             raise ValueError(f"expected_run must be > 1, got {self.expected_run!r}")
-        for name in ("noise_window", "noise_min_samples", "recent", "max_hypotheses"):
+        for name in ("noise_window", "noise_min_samples", "max_hypotheses"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if not 0.0 < self.threshold < 1.0:
@@ -206,6 +205,20 @@ class RunLengthPosterior:
             if len(self._diffs) >= c.noise_min_samples and self.t % 8 == 0:
                 self._sigma = self._estimate_noise()
         self._prev = y
+
+    def flagged_start(self, after: int) -> int | None:
+        """A change after ``after``, if BOCD is sure of it: its start, else None.
+
+        The most probable start later than ``after`` is flagged when the posterior mass
+        within one iteration of it reaches ``threshold``. Mass spread thinly over many
+        starts (a slow drift leaves such a posterior) flags nothing.
+        """
+        start = self.most_likely_start_since(after + 1)
+        if start is None:
+            return None
+        if self.prob_started_between(start - 1, start + 1) < self.config.threshold:
+            return None
+        return start
 
     def _log_gamma_ratio(self, n: np.ndarray) -> np.ndarray:
         """gammaln(alpha + 1/2) - gammaln(alpha) for alpha = alpha0 + n / 2, by table."""

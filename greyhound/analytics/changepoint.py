@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 import numpy as np
@@ -36,30 +35,45 @@ class ChangePoint:
 
 
 class RecentValues:
-    """The last ``capacity`` values of a stream, addressed by absolute index."""
+    """The last ``capacity`` values of a stream, addressed by absolute index.
+
+    Every value is stored twice, ``capacity`` apart, so any window is one slice.
+    """
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self._values: collections.deque[float] = collections.deque(maxlen=capacity)
+        self._cap = capacity
+        self._buf = np.empty(2 * capacity)
         self.count = 0
         """Values appended so far; the next one gets this index."""
 
     def append(self, value: float) -> None:
-        self._values.append(value)
+        i = self.count % self._cap
+        self._buf[i] = self._buf[i + self._cap] = value
         self.count += 1
 
     def window(self, start: int, stop: int) -> np.ndarray:
-        """Values with absolute index in [start, stop), clipped to what is kept."""
-        first = self.count - len(self._values)
-        lo, hi = max(start, first) - first, max(min(stop, self.count) - first, 0)
-        return np.array([self._values[i] for i in range(lo, hi)], dtype=np.float64)
+        """Values with absolute index in [start, stop), clipped to what is kept (a view)."""
+        first = max(0, self.count - self._cap)
+        lo, hi = max(start, first), min(stop, self.count)
+        if hi <= lo:
+            return self._buf[:0]
+        offset = lo - first
+        base = first % self._cap
+        return self._buf[base + offset : base + offset + (hi - lo)]
 
 
 def level_ratio(
-    values: RecentValues, *, regime_start: int, index: int, now: int, before_window: int
+    values: RecentValues,
+    *,
+    regime_start: int,
+    reference: int,
+    index: int,
+    now: int,
+    before_window: int,
 ) -> tuple[float, float, float]:
-    """Levels before ``index`` (within the regime) and from ``index`` to ``now``.
+    """Level before ``reference`` (within the regime) and from ``index`` to ``now``.
 
     Medians, not the paper's means: with the three or four points available a few
     iterations after a change, one garbage-collection spike would move a mean by tens of
@@ -70,9 +84,9 @@ def level_ratio(
     Returns:
         (before, after_low, after_high) in the values' unit.
     """
-    before = values.window(max(regime_start, index - before_window), index)
+    before = values.window(max(regime_start, reference - before_window), reference)
     if len(before) == 0:
-        before = values.window(index - 1, index)
+        before = values.window(reference - 1, reference)
     after = np.sort(values.window(index, now + 1))
     m = len(after)
     return float(np.median(before)), float(after[(m - 1) // 2]), float(after[m // 2])

@@ -39,6 +39,7 @@ __all__ = [
     "lag_agreement",
     "find_period",
     "iteration_times_from_calls",
+    "iteration_times_from_ring_records",
 ]
 
 # More distinct symbols than this are rare in real traces; the rarest are pooled into
@@ -184,12 +185,8 @@ def iteration_times_from_calls(
 ) -> CallIterations:
     """Period and per-iteration times of one rank's calls.
 
-    For the node agent, on a structured array ``rec`` of the hook's ring records::
-
-        iteration_times_from_calls(rec["op"], rec["comm"], rec["bytes"],
-                                   rec["t_start_ns"] * 1e-9)
-
-    (field names as the ring reader's dtype spells them). Entry j of the result is the
+    The node agent passes the fields of the hook's ring records, see
+    :func:`iteration_times_from_ring_records`. Entry j of the result is the
     median, over the calls of period block j whose symbol recurs one period later, of
     ``t_start[i + period] - t_start[i]``; the median keeps one late call (or an inserted
     eval/checkpoint call) from moving an iteration's time.
@@ -257,6 +254,25 @@ def iteration_times_from_calls(
     return CallIterations(
         period=period, start=start, iteration_times=times, available_at=available_at,
         tokens_use_bytes=use_bytes,
+    )
+
+
+def iteration_times_from_ring_records(calls: np.ndarray, **kwargs) -> CallIterations:
+    """:func:`iteration_times_from_calls` on the hook's ring records of one rank.
+
+    Args:
+        calls: (n,) structured array with the fields of ``greyhound.ring.RECORD_DTYPE``
+            (``op``, ``comm_id``, ``size_bytes``, ``t_start_ns``), communication calls
+            only and in ring order, e.g. ``greyhound.ring.call_records(batch.records)``
+            over the batches read so far.
+        **kwargs: keyword parameters of :func:`iteration_times_from_calls`.
+
+    Returns:
+        A :class:`CallIterations`; times in seconds of CLOCK_MONOTONIC.
+    """
+    return iteration_times_from_calls(
+        calls["op"], calls["comm_id"], calls["size_bytes"],
+        calls["t_start_ns"].astype(np.float64) * 1e-9, **kwargs,
     )
 
 

@@ -6,17 +6,25 @@ if the iteration time before and after it differs by at least 10%.
 
 How a candidate is decided, online:
 
-1. BOCD flags a change (:class:`~greyhound.analytics.bocd.BocdConfig.threshold` of the
-   posterior mass on a segment started within the last ``recent`` iterations); its
-   most probable start becomes the pending candidate.
+1. BOCD flags a change after the last candidate
+   (:meth:`~greyhound.analytics.bocd.RunLengthPosterior.flagged_start`); its start
+   becomes the pending candidate.
 2. The candidate is dropped as soon as BOCD stops believing in it (mass of segments
    started within one before and two after it falls below ``keep_prob``): a lone
    spike is explained away by the next normal iteration.
 3. From ``min_after`` iterations after its start on, the iterations since the start
    are compared with the median of up to ``before_window`` iterations before it
-   (within the current regime). If a strict majority of them is >= ``min_change``
+   (within the current regime; if an earlier candidate of the last ``before_window``
+   iterations was judged and rejected, before that one). If a strict majority of them is >= ``min_change``
    slower (or faster), the change point is accepted and reported now
    (``detected_at``); after ``max_pending`` iterations without that, it is rejected.
+
+4. A fail-slow that creeps in as a ramp leaves BOCD sure that the regime changed but
+   unsure where. While no candidate is pending and BOCD puts ``threshold`` of its mass
+   on a start after the regime's, a strict majority of the last ``creep_window``
+   iterations is compared with the median of the ``before_window`` iterations that
+   ended ``before_window`` iterations ago; the change point is BOCD's most probable
+   start.
 
 Where this departs from the paper: medians instead of means (see
 :func:`~greyhound.analytics.changepoint.level_ratio`), and "before" is the regime
@@ -52,6 +60,11 @@ class VerifyConfig:
     """Iterations before the candidate (within the regime) that set the old level."""
     keep_prob: float = 0.5
     """A pending candidate is dropped when BOCD's mass on it falls below this."""
+    creep_window: int = 5
+    creep_every: int = 4
+    """Ramps are looked for every ``creep_every`` iterations."""
+    """Ramps: iterations whose level is compared with the level ``before_window``
+    iterations earlier while BOCD believes the regime has changed."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.min_change < 1.0:
@@ -64,6 +77,10 @@ class VerifyConfig:
             )
         if self.before_window < 1:
             raise ValueError(f"before_window must be >= 1, got {self.before_window!r}")
+        if self.creep_every < 1:
+            raise ValueError(f"creep_every must be >= 1, got {self.creep_every!r}")
+        if self.creep_window < 1:
+            raise ValueError(f"creep_window must be >= 1, got {self.creep_window!r}")
         if not 0.0 <= self.keep_prob < 1.0:
             raise ValueError(f"keep_prob must be in [0, 1), got {self.keep_prob!r}")
 
@@ -91,10 +108,11 @@ class BocdV:
         self.verify = verify or VerifyConfig()
         self._posterior = RunLengthPosterior(self.bocd)
         v = self.verify
-        self._values = RecentValues(v.before_window + v.max_pending + self.bocd.recent + 2)
+        self._values = RecentValues(2 * v.before_window + 2 * v.max_pending + 2)
         self._regime_start = 0
-        self._armed_from = 1
+        self._last_candidate = 0
         self._pending: int | None = None
+        self._suspicion: int | None = None
 
     @property
     def pending(self) -> int | None:
@@ -105,41 +123,83 @@ class BocdV:
         """Add the next iteration time (seconds, > 0); returns an accepted change point."""
         if not (x > 0 and math.isfinite(x)):
             raise ValueError(f"iteration time must be finite and > 0, got {x!r}")
-        b, v, post = self.bocd, self.verify, self._posterior
+        v, post = self.verify, self._posterior
         self._values.append(x)
         post.update(math.log(x))
         t = post.t
-        if self._pending is None:
-            first = max(self._armed_from, t - b.recent + 1)
-            if post.prob_started_since(first) >= b.threshold:
-                self._pending = post.most_likely_start_since(first)
-                self._armed_from = t + 1
-        if self._pending is None:
-            return None
+        if self._suspicion is not None and t - self._suspicion > v.before_window:
+            self._suspicion = None
+        flagged = post.flagged_start(self._last_candidate)
+        if flagged is not None:
+            self._pending = self._last_candidate = flagged
         start = self._pending
+        if start is None:
+            return self._check_creep(t)
         # Mass near the candidate only: a later segment (the normal iteration after a
         # spike opens one too) must not keep a spike's candidate alive.
         if post.prob_started_between(start - 1, start + 2) < v.keep_prob:
             self._pending = None
-            return None
+            return self._check_creep(t)
         if t - start + 1 < v.min_after:
             return None
+        # A level that crept up in steps is compared with the level before the first
+        # step still under suspicion, not with the last step.
+        reference = start if self._suspicion is None else min(self._suspicion, start)
         before, after_low, after_high = level_ratio(
-            self._values, regime_start=self._regime_start, index=start, now=t,
-            before_window=v.before_window,
+            self._values, regime_start=self._regime_start, reference=reference,
+            index=start, now=t, before_window=v.before_window,
         )
-        after = None
-        if after_low >= before * (1.0 + v.min_change):
-            after = after_low
-        elif after_high <= before * (1.0 - v.min_change):
-            after = after_high
+        after = _moved(before, after_low, after_high, v.min_change)
         if after is not None:
-            self._pending = None
-            self._regime_start = start
-            return ChangePoint(index=start, detected_at=t, before=before, after=after)
+            return self._accept(start, t, before, after)
+        if self._suspicion is None:
+            self._suspicion = start
         if t - start + 1 >= v.max_pending:
             self._pending = None
         return None
+
+    def _check_creep(self, t: int) -> ChangePoint | None:
+        """A level that moved without a sharp change BOCD could pin down (a ramp)."""
+        v, post = self.verify, self._posterior
+        # Ramps take tens of iterations; looking every few iterations keeps the medians
+        # out of the per-iteration cost.
+        if t % v.creep_every:
+            return None
+        if post.prob_started_since(self._regime_start + 1) < self.bocd.threshold:
+            return None
+        reference_end = t - v.before_window + 1
+        if reference_end - self._regime_start < v.min_after:
+            return None
+        recent = np.sort(self._values.window(t - v.creep_window + 1, t + 1))
+        if len(recent) < v.creep_window:
+            return None
+        # The change must lie after the reference window, or the window would hold it.
+        start = post.most_likely_start_since(max(self._regime_start + 1, reference_end))
+        if start is None or t - start + 1 < v.min_after:
+            return None
+        before = float(np.median(self._values.window(
+            max(self._regime_start, reference_end - v.before_window), reference_end
+        )))
+        m = len(recent)
+        after = _moved(before, float(recent[(m - 1) // 2]), float(recent[m // 2]), v.min_change)
+        if after is None:
+            return None
+        return self._accept(start, t, before, after)
+
+    def _accept(self, start: int, t: int, before: float, after: float) -> ChangePoint:
+        self._pending = self._suspicion = None
+        self._regime_start = start
+        self._last_candidate = max(start, self._last_candidate)
+        return ChangePoint(index=start, detected_at=t, before=before, after=after)
+
+
+def _moved(before: float, after_low: float, after_high: float, min_change: float) -> float | None:
+    """The new level if a strict majority moved by >= min_change, else None."""
+    if after_low >= before * (1.0 + min_change):
+        return after_low
+    if after_high <= before * (1.0 - min_change):
+        return after_high
+    return None
 
 
 def bocdv_changepoints(
