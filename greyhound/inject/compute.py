@@ -108,8 +108,12 @@ def release_cgroup(env: InjectEnv, cgroup: Path, originals: dict[int, str]) -> l
     while True:
         for pid in _members(cgroup):
             tgid = _tgid(pid) or pid
-            if _move(env, originals.get(tgid, fallback), pid):
-                moved.append(pid)
+            home = originals.get(tgid, fallback)
+            try:
+                if _move(env, home, pid):
+                    moved.append(pid)
+            except OSError as exc:
+                raise InputError(f"cannot move pid {pid} back to cgroup {home}: {exc.strerror}") from exc
         try:
             cgroup.rmdir()
             return moved
