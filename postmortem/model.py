@@ -65,8 +65,18 @@ class Level:
 
     ops: np.ndarray  # (n_l,) template op ids
     pred: np.ndarray  # (n_l, k) predecessors of each op, trimmed to the level's max count
-    members: np.ndarray | None  # (n_l, g) level-local indices of each op's group, None if singletons
     spans: np.ndarray | None  # level-local indices of ops whose group reduces over DP, None if none
+    # groups: the ops of a group are adjacent in ``ops``; None when all are singletons
+    group_starts: np.ndarray | None = None  # (n_groups,) level-local first member of each group
+    group_index: np.ndarray | None = None  # (n_l,) group of each op, 0..n_groups-1
+    group_last: np.ndarray | None = None  # (n_groups,) level-local last member of each group
+    group_width: int = 1  # most members in a group of this level
+    # the live-buffer walk (simulate.py): rows of a buffer that holds each op's end only
+    # until its last successor has read it; row Model.buffer_rows is the step's start (0)
+    read: np.ndarray | None = None  # (n_l, k) buffer rows of ``pred``
+    store: np.ndarray | None = None  # level-local ops whose end is kept, None = all
+    store_slots: np.ndarray | None = None  # (len(store),) their buffer rows
+    sinks: np.ndarray | None = None  # level-local ops with no successor (they end the step)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +102,7 @@ class Model:
     levels: tuple[Level, ...]
     real_step_time: np.ndarray  # (N,) traced step time (last end - first start)
     dropped: tuple[str, ...] = field(default=())
+    buffer_rows: int = 0  # live-buffer rows the walk needs (see Level.read)
 
     @property
     def num_template_ops(self) -> int:
@@ -121,7 +132,7 @@ def build_model(trace: Trace) -> Model:
         raise InputError(f"{where}: the trace has no ops")
 
     bad = ~np.isfinite(start) | ~np.isfinite(dur) | (dur < 0) | (dp < 0) | (dp >= D) | (pp < 0) | (pp >= P)
-    steps_all, step_idx = np.unique(step, return_inverse=True)
+    steps_all, step_idx = _dense_unique(step)
     N_all = steps_all.size
     bad_step = np.zeros(N_all, bool)
     if bad.any():
@@ -130,23 +141,13 @@ def build_model(trace: Trace) -> Model:
             f"{int(bad.sum())} op rows with NaN/negative times or ranks out of range "
             f"(dp < {D}, pp < {P}); their steps are dropped"
         )
-    # drop bad rows now so they cannot poison the layout
-    keep_rows = ~bad
-    step_idx, dp, pp, code = step_idx[keep_rows], dp[keep_rows], pp[keep_rows], code[keep_rows]
-    start, dur = start[keep_rows], dur[keep_rows]
+        # drop bad rows now so they cannot poison the layout
+        keep_rows = ~bad
+        step_idx, dp, pp, code = step_idx[keep_rows], dp[keep_rows], pp[keep_rows], code[keep_rows]
+        start, dur = start[keep_rows], dur[keep_rows]
+    del bad
 
-    # occurrence index among (step, dp, pp, optype), in start order
-    worker_key = ((step_idx * D + dp) * P + pp) * len(OPTYPES) + code
-    order = np.lexsort((start, worker_key))
-    wk = worker_key[order]
-    boundary = np.empty(wk.size, bool)
-    boundary[0] = True
-    boundary[1:] = wk[1:] != wk[:-1]
-    first = np.flatnonzero(boundary)
-    run_id = np.cumsum(boundary) - 1
-    occ_sorted = np.arange(wk.size) - first[run_id]
-    occ = np.empty_like(occ_sorted)
-    occ[order] = occ_sorted
+    occ = _occurrence(step_idx, dp, pp, code, start, D=D, P=P, N=N_all)
 
     # per-step origin: the earliest start of the step (the study's traces are already 0)
     step_min = np.full(N_all, np.inf)
@@ -158,15 +159,21 @@ def build_model(trace: Trace) -> Model:
     # template keys
     max_occ = int(occ.max()) + 1
     tkey = (pp * len(OPTYPES) + code) * max_occ + occ
-    tkeys, t_of_row = np.unique(tkey, return_inverse=True)
+    del occ
+    tkeys, t_of_row = _dense_unique(tkey)
+    del tkey
     n_t = tkeys.size
+    # (template op, dp, step) is unique per row: the occurrence numbers a worker-step's
+    # ops of one type, so each cell gets at most one row
     cell = (t_of_row * D + dp) * N_all + step_idx
-    count = np.bincount(cell, minlength=n_t * D * N_all).reshape(n_t, D, N_all)
+    del t_of_row
     S = np.zeros((n_t, D, N_all))
     U = np.zeros((n_t, D, N_all))
+    have = np.zeros((n_t, D, N_all), bool)
     S.reshape(-1)[cell] = rel_start
     U.reshape(-1)[cell] = dur
-    have = count > 0
+    have.reshape(-1)[cell] = True
+    del cell, rel_start
     usable = ~bad_step
     frac = have[:, :, usable].mean(axis=2) if usable.any() else np.zeros((n_t, D))
     expected = frac >= 0.5  # (n_t, D)
@@ -180,7 +187,10 @@ def build_model(trace: Trace) -> Model:
     if not keep_steps.any():
         raise InputError(f"{where}: no whole step in the trace (every step has missing or damaged ops)")
     keep_t = expected.any(axis=1)
-    S, U = S[keep_t][:, :, keep_steps], U[keep_t][:, :, keep_steps]
+    if not (keep_t.all() and keep_steps.all()):
+        sel = np.ix_(keep_t, np.ones(D, bool), keep_steps)
+        S, U = S[sel], U[sel]
+    del have
     expected = expected[keep_t]
     tkeys = tkeys[keep_t]
     t_occ = tkeys % max_occ
@@ -192,7 +202,10 @@ def build_model(trace: Trace) -> Model:
 
     # order on each worker: mean start over present instances; ties by op code
     pres3 = expected[:, :, None] & np.ones(steps.size, bool)
-    mean_start = (S * pres3).sum(axis=(1, 2)) / np.maximum(pres3.sum(axis=(1, 2)), 1)
+    # S * pres3 is S itself when every op is present (x * 1.0 == x): skip the copy
+    weighted = S if expected.all() else S * pres3
+    mean_start = weighted.sum(axis=(1, 2)) / np.maximum(pres3.sum(axis=(1, 2)), 1)
+    del weighted
     perm = np.lexsort((t_occ, t_code, mean_start, t_pp))
     t_pp, t_code, t_occ = t_pp[perm], t_code[perm], t_occ[perm]
     S, U, expected, pres3 = S[perm], U[perm], expected[perm], pres3[perm]
@@ -238,18 +251,10 @@ def build_model(trace: Trace) -> Model:
     np.logical_or.at(g_spans, group, spans)
     spans = g_spans[group]
 
-    # transfer: end - latest start among the group (and the DP axis for DP groups)
-    S_m = np.where(pres3, S, -np.inf)
-    gmax = np.full((int(group.max()) + 1,) + S.shape[1:], -np.inf)
-    np.maximum.at(gmax, group, S_m)
-    gmax_dp = gmax.max(axis=1, keepdims=True)
-    gm = np.where(g_spans[:, None, None], gmax_dp, gmax)[group]
-    end = S + U
-    transfer = np.where(t_is_comm[:, None, None], np.clip(end - gm, 0.0, U), U)
-    transfer = np.where(pres3, transfer, 0.0)
+    transfer = _transfer(S, U, expected, group, g_spans, t_is_comm)
 
     pred = _chain_preds(t_pp, t_code, S, U, pres3, P)
-    levels = _levels(pred, group, spans, where=where)
+    levels, buffer_rows = _levels(pred, group, spans, where=where)
     return Model(
         dp=D,
         pp=P,
@@ -265,9 +270,110 @@ def build_model(trace: Trace) -> Model:
         pred=pred,
         group=group,
         levels=levels,
+        buffer_rows=buffer_rows,
         real_step_time=real_step_time,
         dropped=tuple(notes),
     )
+
+
+_DENSE_SLACK = 4  # a key range up to this many times the row count is tabulated, not sorted
+
+
+def _dense_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_inverse=True)`` for non-negative-ish integer keys.
+
+    Trace keys (step numbers, template keys) span a small range, so a presence table
+    and a cumulative sum give the same sorted unique values and inverse in O(n + range)
+    instead of an O(n log n) sort of millions of rows.
+    """
+    if keys.size == 0:
+        return np.unique(keys, return_inverse=True)
+    lo, hi = int(keys.min()), int(keys.max())
+    span = hi - lo + 1
+    if span > _DENSE_SLACK * keys.size + 1024:
+        return np.unique(keys, return_inverse=True)
+    shifted = keys - lo
+    seen = np.zeros(span, bool)
+    seen[shifted] = True
+    values = np.flatnonzero(seen).astype(keys.dtype) + lo
+    rank = np.cumsum(seen, dtype=np.int64) - 1
+    return values, rank[shifted]
+
+
+def _occurrence(step_idx, dp, pp, code, start, *, D: int, P: int, N: int) -> np.ndarray:
+    """Each row's index in start order among the rows of its (step, dp, pp, optype).
+
+    Equal to ranking by ``np.lexsort((start, worker_key))``; done as one stable integer
+    sort on the smallest dtype that holds the key (rows of a worker usually arrive in
+    time order, so the stable order already is the start order), with the float
+    lexsort only when some group is not.
+    """
+    n_codes = len(OPTYPES)
+    key_max = N * D * P * n_codes
+    kdt = np.int32 if key_max < np.iinfo(np.int32).max else np.int64
+    worker_key = ((step_idx.astype(kdt) * D + dp.astype(kdt)) * P + pp.astype(kdt)) * n_codes + code.astype(kdt)
+    order = np.argsort(worker_key, kind="stable")
+    wk = worker_key[order]
+    s = start[order]
+    boundary = np.empty(wk.size, bool)
+    boundary[0] = True
+    np.not_equal(wk[1:], wk[:-1], out=boundary[1:])
+    if not (boundary[1:] | (s[1:] >= s[:-1])).all():
+        order = np.lexsort((start, worker_key))
+        wk = worker_key[order]
+        np.not_equal(wk[1:], wk[:-1], out=boundary[1:])
+    del s, wk, worker_key
+    first = np.flatnonzero(boundary)
+    run_id = np.cumsum(boundary, dtype=np.int64) - 1
+    occ_sorted = np.arange(boundary.size, dtype=np.int64) - first[run_id]
+    del run_id, boundary
+    occ = np.empty_like(occ_sorted)
+    occ[order] = occ_sorted
+    return occ
+
+
+_TRANSFER_CHUNK_CELLS = 1 << 21  # cells per temporary of the transfer pass (16 MB)
+
+
+def _transfer(S, U, present, group, g_spans, is_comm) -> np.ndarray:
+    """(n_t, D, N) work of each op: its duration, or for communication its end minus the
+    latest start among its group (over DP ranks too for DP groups), clipped to
+    [0, duration]; 0 where the op is absent.
+
+    Only communication rows are touched, group by group and a few steps at a time, so
+    the temporaries stay small (fresh memory is what a large trace pays for).
+    """
+    transfer = U.copy()
+    comm = np.flatnonzero(is_comm)
+    if comm.size:
+        rows = comm[np.argsort(group[comm], kind="stable")]
+        g = group[rows]
+        gb = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+        sizes = np.diff(np.r_[gb, g.size])
+        last = gb + sizes - 1
+        gid = np.repeat(np.arange(gb.size), sizes)
+        span = g_spans[g[gb]]
+        any_span = bool(span.any())
+        pres_rows = present[rows][:, :, None]  # (n_c, D, 1)
+        all_present = bool(pres_rows.all())
+        D, N = S.shape[1], S.shape[2]
+        chunk = max(1, _TRANSFER_CHUNK_CELLS // max(rows.size * D, 1))
+        for n0 in range(0, N, chunk):
+            sl = slice(n0, min(N, n0 + chunk))
+            s_r, u_r = S[rows, :, sl], U[rows, :, sl]
+            s_m = s_r if all_present else np.where(pres_rows, s_r, -np.inf)
+            gmax = s_m[gb]
+            for j in range(1, int(sizes.max())):
+                np.maximum(gmax, s_m[np.minimum(gb + j, last)], out=gmax)
+            if any_span:
+                gmax[span] = gmax[span].max(axis=1, keepdims=True)
+            end = s_r + u_r
+            end -= gmax[gid]
+            np.clip(end, 0.0, u_r, out=end)
+            transfer[rows, :, sl] = end
+    if not present.all():
+        transfer[~present] = 0.0
+    return transfer
 
 
 def _fmt_list(values, limit: int = 10) -> str:
@@ -325,40 +431,134 @@ def _chain_preds(t_pp, t_code, S, U, pres3, P) -> np.ndarray:
     return pred
 
 
-def _levels(pred: np.ndarray, group: np.ndarray, spans: np.ndarray, *, where: str) -> tuple[Level, ...]:
-    """Topological levels of groups: a group's level is 1 + the max level of its preds."""
+def _levels(pred: np.ndarray, group: np.ndarray, spans: np.ndarray, *, where: str) -> tuple[tuple[Level, ...], int]:
+    """Topological levels of groups (a group's level is 1 + the max level of its preds),
+    and the live-buffer plan of the walk.  Returns (levels, buffer rows).
+
+    Built with whole-graph array operations and split per level at the end: a Python
+    loop per level costs more than the walk itself on small traces.
+    """
+    n_t = pred.shape[0]
+    lv = _group_levels(pred, group, where=where)
+    order = np.lexsort((group, lv))
+    lv_s, g_s = lv[order], group[order]
+    new_level = np.r_[True, lv_s[1:] != lv_s[:-1]]
+    lstart = np.flatnonzero(new_level)  # (L,) first position of each level
+    lend = np.r_[lstart[1:], n_t]
+    level_no = np.empty(n_t, np.int64)
+    level_no[order] = np.cumsum(new_level) - 1
+    pos = np.arange(n_t) - np.repeat(lstart, lend - lstart)  # level-local index, sorted order
+
+    # the walk keeps an op's end only until its last successor's level has read it;
+    # ops nobody waits for (sinks) are only folded into the step time
+    rows, cols = np.nonzero(pred != n_t)
+    last_use = np.full(n_t, -1, np.int64)
+    np.maximum.at(last_use, pred[rows, cols], level_no[rows])
+    slot_of, n_slots = _assign_slots(order, level_no, last_use, len(lstart))
+    slot_of = np.r_[slot_of, n_slots]  # the step's start: the buffer's last (all-zero) row
+
+    n_pred = (pred != n_t).sum(axis=1)[order]
+    k_level = np.maximum(np.maximum.reduceat(n_pred, lstart), 1)
+    pred_s = pred[order]
+    read_s = slot_of[pred_s]
+    stored_s = last_use[order] >= 0
+    new_group = new_level | np.r_[True, g_s[1:] != g_s[:-1]]
+    gstart = np.flatnonzero(new_group)
+    gsize = np.diff(np.r_[gstart, n_t])
+    gwidth = np.maximum.reduceat(gsize, np.searchsorted(gstart, lstart))
+    gcount = np.cumsum(new_group) - 1  # global group run number per sorted op
+    span_s = spans[order]
+
+    out = []
+    for i, (a, b) in enumerate(zip(lstart.tolist(), lend.tolist())):
+        k = int(k_level[i])
+        st = stored_s[a:b]
+        width = int(gwidth[i])
+        starts = gid = last = None
+        if width > 1:
+            ga, gb = np.searchsorted(gstart, [a, b])
+            starts = gstart[ga:gb] - a
+            last = starts + gsize[ga:gb] - 1
+            gid = gcount[a:b] - gcount[a]
+        sp = np.flatnonzero(span_s[a:b])
+        sinks = np.flatnonzero(~st)
+        out.append(
+            Level(
+                ops=order[a:b],
+                pred=pred_s[a:b, :k],
+                spans=sp if sp.size else None,
+                group_starts=starts,
+                group_index=gid,
+                group_last=last,
+                group_width=width,
+                read=read_s[a:b, :k],
+                store=None if st.all() else np.flatnonzero(st),
+                store_slots=slot_of[order[a:b][st]],
+                sinks=sinks if sinks.size else None,
+            )
+        )
+    return tuple(out), n_slots
+
+
+def _assign_slots(order, level_no, last_use, n_levels: int) -> tuple[np.ndarray, int]:
+    """Buffer row of every op that something waits on (-1 for sinks), reusing the rows of
+    ops whose last reader has run: greedy colouring of the lifetime intervals."""
+    n_t = order.size
+    # ops freed after each level's reads, and ops stored by each level, in walk order
+    stored = order[last_use[order] >= 0]
+    store_by_level = np.split(stored, np.searchsorted(level_no[stored], np.arange(1, n_levels)))
+    dying = np.flatnonzero(last_use >= 0)
+    dying = dying[np.argsort(last_use[dying], kind="stable")]
+    die_by_level = np.split(dying, np.searchsorted(last_use[dying], np.arange(1, n_levels)))
+    slot = [-1] * n_t
+    free: list[int] = []
+    n_slots = 0
+    for born, dead in zip(store_by_level, die_by_level):
+        # an op read for the last time at this level frees its row for this level's
+        # writes: the walk reads every pred before it writes the level's ends
+        free.extend(slot[u] for u in dead.tolist())
+        for u in born.tolist():
+            if free:
+                slot[u] = free.pop()
+            else:
+                slot[u] = n_slots
+                n_slots += 1
+    return np.asarray(slot, np.int64), n_slots
+
+
+def _group_levels(pred: np.ndarray, group: np.ndarray, *, where: str) -> np.ndarray:
+    """(n_t,) level of each op's group: the longest path from the step's start, in groups.
+
+    Kahn's algorithm by frontiers over the group graph (an edge per pred): each frontier
+    is the groups whose preds are all done, so its number is 1 + the max of theirs.
+    A group that never frees (a cycle, or an op waiting on its own group) deadlocks.
+    """
     n_t = pred.shape[0]
     n_g = int(group.max()) + 1
-    level = np.zeros(n_t + 1, dtype=np.int64)  # sentinel (step start) at level 0
-    for _ in range(n_t + 2):
-        op_need = level[pred].max(axis=1) + 1
-        g_need = np.zeros(n_g, np.int64)
-        np.maximum.at(g_need, group, op_need)
-        new = g_need[group]
-        if np.array_equal(new, level[:n_t]):
+    rows, cols = np.nonzero(pred != n_t)
+    src = group[pred[rows, cols]]
+    dst = group[rows]
+    indeg = np.bincount(dst, minlength=n_g)
+    by_src = np.argsort(src, kind="stable")
+    out_dst = dst[by_src]
+    ptr = np.zeros(n_g + 1, np.int64)
+    np.cumsum(np.bincount(src, minlength=n_g), out=ptr[1:])
+    level_g = np.zeros(n_g, np.int64)
+    frontier = np.flatnonzero(indeg == 0)
+    level, done = 1, 0
+    while frontier.size:
+        level_g[frontier] = level
+        done += frontier.size
+        cnt = ptr[frontier + 1] - ptr[frontier]
+        total = int(cnt.sum())
+        if total == 0:
             break
-        level[:n_t] = new
-    else:
+        idx = np.arange(total) + np.repeat(ptr[frontier] - np.cumsum(cnt) + cnt, cnt)
+        targets = out_dst[idx]
+        indeg -= np.bincount(targets, minlength=n_g)
+        cand = np.unique(targets)
+        frontier = cand[indeg[cand] == 0]
+        level += 1
+    if done < n_g:
         raise InputError(f"{where}: the ops' order deadlocks (a cycle through p2p or collective groups)")
-    lv = level[:n_t]
-    order = np.lexsort((group, lv))
-    bounds = np.flatnonzero(np.diff(lv[order])) + 1
-    out = []
-    for chunk in np.split(order, bounds):
-        g = group[chunk]
-        gb = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
-        sizes = np.diff(np.r_[gb, g.size])
-        members = None
-        if (sizes > 1).any():
-            gmax = int(sizes.max())
-            gid = np.repeat(np.arange(gb.size), sizes)
-            # pad each group's member list with its own first member (max is unchanged)
-            idx = gb[:, None] + np.minimum(np.arange(gmax)[None, :], sizes[:, None] - 1)
-            members = idx[gid]
-        pr = pred[chunk]
-        k = int(max(1, (pr != n_t).sum(axis=1).max()))
-        sp = np.flatnonzero(spans[chunk])
-        out.append(
-            Level(ops=chunk, pred=np.ascontiguousarray(pr[:, :k]), members=members, spans=sp if sp.size else None)
-        )
-    return tuple(out)
+    return level_g[group]

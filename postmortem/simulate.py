@@ -12,6 +12,19 @@ Semantics per op u, for every (scenario, DP rank, step):
 where work is the traced duration of compute ops and the transfer time of communication
 ops (the real one where the scenario keeps it, else the idealised one).  The step time
 is the latest end of the step.
+
+How the walk stays small (the same numbers, bit for bit, as a walk that keeps every
+op's end; ``tests/test_postmortem_simulate.py`` checks it against that walk):
+
+* a live buffer: an op's end is kept only until the last op that waits on it has read
+  it (``Level.read`` / ``Level.store_slots``), so memory is O(live ops), not O(ops);
+* the step time is the max over sinks (ops nothing waits on): every other op has a
+  successor that ends no earlier, since work >= 0;
+* steps are independent (each starts at 0), so they are chunked freely to bound memory;
+* a scenario that keeps real work on only some DP ranks runs with those ranks plus one
+  stand-in for all the others: ranks with only idealised work and the same ops are
+  identical, so one column stands for them (a DP-group max over them is that column).
+  Per-DP-rank and per-worker what-ifs so cost 2 ranks instead of D.
 """
 
 from __future__ import annotations
@@ -22,8 +35,8 @@ import numpy as np
 
 from postmortem.model import Model
 
-_CELL_BUDGET = 24_000_000  # float64 cells per scenario batch (~190 MB for one array)
-
+_CELL_BUDGET = 24_000_000  # float64 cells per scenario batch of the recording walk
+_ROW_CELLS = 1 << 15  # (scenario, DP rank, step) cells per op row of the live walk
 
 @dataclass(frozen=True, kw_only=True)
 class SimResult:
@@ -55,6 +68,8 @@ def simulate(
     ideal = np.asarray(ideal, np.float64)
     if ideal.ndim == 1:
         ideal = ideal[:, None, None]
+    if not record and model.levels and model.levels[0].read is not None:
+        return SimResult(step_time=_simulate_live(model, ideal, keep_real))
     n_t, D, N = model.transfer.shape
     S = keep_real.shape[0]
     batch = max(1, _CELL_BUDGET // max(n_t * D * N, 1))
@@ -72,6 +87,99 @@ def simulate(
     if record:
         return SimResult(step_time=times, launch=np.concatenate(launches), end=np.concatenate(ends))
     return SimResult(step_time=times)
+
+
+def _columns(model: Model, keep: np.ndarray, ideal: np.ndarray) -> list[np.ndarray]:
+    """DP ranks each scenario must simulate: (S,) arrays of rank indices.
+
+    Ranks that keep no real work are all alike when their ops are the same (``present``)
+    and the ideal does not vary by rank; one of them stands for the rest.
+    """
+    S, _, D = keep.shape
+    full = np.arange(D)
+    if ideal.shape[1] != 1 or ideal.shape[2] != 1:
+        return [full] * S
+    real_ranks = keep.any(axis=1)  # (S, D)
+    pres = model.present
+    out = []
+    for s in range(S):
+        idle = np.flatnonzero(~real_ranks[s])
+        if idle.size < 2 or not (pres[:, idle] == pres[:, idle[:1]]).all():
+            out.append(full)
+            continue
+        out.append(np.union1d(np.flatnonzero(real_ranks[s]), idle[:1]))
+    return out
+
+
+def _simulate_live(model: Model, ideal: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    n_t, D, N = model.transfer.shape
+    S = keep.shape[0]
+    cols = _columns(model, keep, ideal)
+    times = np.empty((S, N))
+    by_width: dict[int, list[int]] = {}
+    for s, c in enumerate(cols):
+        by_width.setdefault(c.size, []).append(s)
+    for width, members in by_width.items():
+        members_a = np.asarray(members)
+        per_step = width
+        if per_step * N <= _ROW_CELLS:
+            s_batch, n_batch = max(1, _ROW_CELLS // (per_step * N)), N
+        else:
+            s_batch, n_batch = 1, max(1, _ROW_CELLS // per_step)
+        for lo in range(0, members_a.size, s_batch):
+            sel = members_a[lo : lo + s_batch]
+            c = np.stack([cols[s] for s in sel])  # (s_b, width)
+            for n0 in range(0, N, n_batch):
+                n1 = min(N, n0 + n_batch)
+                times[sel, n0:n1] = _walk_live(model, ideal, keep[sel], c, n0, n1)
+    return times
+
+
+def _group_max(g: np.ndarray, lv) -> np.ndarray:
+    """Each op's value replaced by the max over its group (adjacent runs along axis 0)."""
+    gs = lv.group_starts
+    gmax = g[gs]
+    for j in range(1, lv.group_width):  # short runs repeat their last member: max unchanged
+        np.maximum(gmax, g[np.minimum(gs + j, lv.group_last)], out=gmax)
+    return gmax[lv.group_index]
+
+
+def _walk_live(model: Model, ideal: np.ndarray, keep: np.ndarray, cols: np.ndarray, n0: int, n1: int) -> np.ndarray:
+    """Step times (S, n1 - n0) of scenarios ``keep`` (S, n_t, D) on DP ranks ``cols`` (S, W)."""
+    S, W = cols.shape
+    D = model.dp
+    Nb = n1 - n0
+    identity = W == D and (cols == np.arange(D)).all()
+    transfer = model.transfer[:, :, n0:n1]
+    if identity:
+        keep_c = np.ascontiguousarray(keep.transpose(1, 0, 2))[..., None]  # (n_t, S, D, 1)
+        ideal_c = np.where(model.present[:, :, None], ideal[:, :, n0:n1] if ideal.shape[2] > 1 else ideal, 0.0)
+        ideal_c = ideal_c[:, None]  # (n_t, 1, D, N|1)
+    else:  # ideal is (n_t, 1, 1) here (see _columns)
+        keep_c = np.ascontiguousarray(np.take_along_axis(keep, cols[:, None, :], axis=2).transpose(1, 0, 2))[..., None]  # (n_t, S, W, 1)
+        pres_c = model.present[:, cols]  # (n_t, S, W)
+        ideal_c = np.where(pres_c, ideal[:, :, 0][:, :, None], 0.0)[..., None]  # (n_t, S, W, 1)
+    buf = np.zeros((model.buffer_rows + 1, S, W, Nb))
+    step_time = np.full((S, Nb), -np.inf)
+    for lv in model.levels:
+        ops = lv.ops
+        rd = lv.read
+        g = buf[rd[:, 0]]  # (n_l, S, W, Nb) launch
+        for j in range(1, rd.shape[1]):
+            np.maximum(g, buf[rd[:, j]], out=g)
+        if lv.spans is not None:
+            g[lv.spans] = g[lv.spans].max(axis=2, keepdims=True)
+        if lv.group_starts is not None:
+            g = _group_max(g, lv)
+        real = transfer[ops][:, None] if identity else transfer[ops][:, cols]  # (n_l, 1|S, W, Nb)
+        end = g + ideal_c[ops]
+        np.add(g, real, out=end, where=keep_c[ops])
+        if lv.sinks is not None:
+            sink_end = end if lv.sinks.size == ops.size else end[lv.sinks]
+            np.maximum(step_time, sink_end.max(axis=(0, 2)), out=step_time)
+        if lv.store_slots.size:
+            buf[lv.store_slots] = end if lv.store is None else end[lv.store]
+    return step_time
 
 
 def _walk(model: Model, ideal: np.ndarray, keep: np.ndarray, record: bool):
@@ -93,8 +201,8 @@ def _walk(model: Model, ideal: np.ndarray, keep: np.ndarray, record: bool):
         if lv.spans is not None:
             g = g.copy()
             g[lv.spans] = g[lv.spans].max(axis=2, keepdims=True)
-        if lv.members is not None:
-            g = g[lv.members].max(axis=1)
+        if lv.group_starts is not None:
+            g = _group_max(g, lv)
         end[ops] = g + np.where(keep_t[ops], real[ops], ideal_full[ops])
     step_time = end[:n_t].max(axis=(0, 2))  # (S, N)
     if record:
