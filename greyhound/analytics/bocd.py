@@ -136,7 +136,7 @@ class RunLengthPosterior:
         # Constant part of the log density of a new segment's first point.
         self._logpred0_base = float(
             gammaln(c.alpha0 + 0.5) - gammaln(c.alpha0)
-            - 0.5 * math.log(2.0 * math.pi * (c.kappa0 + 1.0) / c.kappa0)
+            - 0.5 * math.log(2.0 * c.alpha0 * math.pi * (c.kappa0 + 1.0) / c.kappa0)
         )
 
     @property
@@ -210,13 +210,14 @@ class RunLengthPosterior:
         """A change after ``after``, if BOCD is sure of it: its start, else None.
 
         The most probable start later than ``after`` is flagged when the posterior mass
-        within one iteration of it reaches ``threshold``. Mass spread thinly over many
+        within one iteration of it (and later than ``after``) reaches ``threshold``. Mass spread thinly over many
         starts (a slow drift leaves such a posterior) flags nothing.
         """
         start = self.most_likely_start_since(after + 1)
         if start is None:
             return None
-        if self.prob_started_between(start - 1, start + 1) < self.config.threshold:
+        near = self.prob_started_between(max(start - 1, after + 1), start + 1)
+        if near < self.config.threshold:
             return None
         return start
 

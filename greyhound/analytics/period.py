@@ -17,8 +17,9 @@ Where this departs from the paper, and why:
   ``tolerance`` of the best lag's ACF, so a sub-pattern that repeats almost everywhere
   (e.g. 128 pipeline micro-batches of Send/Recv) does not win over the true period.
 - Warm-up calls (parameter broadcasts, barriers) are not periodic: the ACF is computed
-  over the trailing ``window`` calls and iteration times start at the first call from
-  which a whole period repeats exactly.
+  over the trailing ``window`` calls (then over shorter tails while no lag qualifies,
+  so that a short trace's warm-up falls out too) and iteration times start at the
+  first call from which a whole period repeats exactly.
 - If no lag qualifies with bytes in the symbol (variable sequence lengths change the
   bytes of every call), it is retried on (op, communicator) alone.
 
@@ -217,14 +218,10 @@ def iteration_times_from_calls(
         raise ValueError(f"window must be >= 2, got {window}")
     use_bytes = True
     if period is None:
-        tail = slice(max(0, n - window), n)
         for use_bytes in (True, False):
-            tokens, num_tokens = call_tokens(
-                op[tail], comm[tail], nbytes[tail] if use_bytes else None
-            )
-            period = find_period(
-                tokens, num_tokens, threshold=threshold, tolerance=tolerance,
-                max_period=max_period,
+            period = _search_period(
+                op, comm, nbytes if use_bytes else None, window=window,
+                threshold=threshold, tolerance=tolerance, max_period=max_period,
             )
             if period is not None:
                 break
@@ -274,6 +271,53 @@ def iteration_times_from_ring_records(calls: np.ndarray, **kwargs) -> CallIterat
         calls["op"], calls["comm_id"], calls["size_bytes"],
         calls["t_start_ns"].astype(np.float64) * 1e-9, **kwargs,
     )
+
+
+# Shortened windows stop here, and must hold three periods: in fewer calls a random
+# sequence can look periodic.
+_MIN_WINDOW = 8
+
+
+def _search_period(
+    op: np.ndarray,
+    comm: np.ndarray,
+    nbytes: np.ndarray | None,
+    *,
+    window: int,
+    threshold: float,
+    tolerance: float,
+    max_period: int | None,
+) -> int | None:
+    """find_period on the trailing window; if none, on shorter and shorter tails.
+
+    Warm-up calls sit at the start of a trace; in a short trace they can be a large
+    share of the window and pull every lag's ACF down (most of all when one symbol
+    dominates and chance agreement is high). Tails of 7/8, 3/4, 1/2, 1/4, ... of the
+    window drop them.
+    """
+    n = len(op)
+    full = min(n, window)
+    sizes = [full] + [full * 7 // 8, full * 3 // 4]
+    size = full // 2
+    while size >= _MIN_WINDOW:
+        sizes.append(size)
+        size //= 2
+    for k, size in enumerate(sizes):
+        if size < _MIN_WINDOW and k:
+            break
+        tail = slice(n - size, n)
+        tokens, num_tokens = call_tokens(
+            op[tail], comm[tail], None if nbytes is None else nbytes[tail]
+        )
+        limit = max_period if k == 0 else min(max_period or size, size // 3)
+        if limit is not None and limit < 1:
+            continue
+        period = find_period(
+            tokens, num_tokens, threshold=threshold, tolerance=tolerance, max_period=limit
+        )
+        if period is not None:
+            return period
+    return None
 
 
 def _first_clean_period(same: np.ndarray, period: int) -> int:
