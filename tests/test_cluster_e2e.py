@@ -1,0 +1,204 @@
+"""greyhound end to end on the real local cluster: sbatch --greyhound, the hook under
+srun --mpi=pmix, the reference training job, the epilog's post-mortem on sacct."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, sacct_field
+from greyhound.ring import CALL_OPS, OP, RingReader, ring_paths
+
+pytestmark = pytest.mark.cluster
+
+GREYHOUND = str(REPO / ".venv/bin/greyhound")
+RUN_DIR_BASE = Path("/var/tmp/greyhound")
+NUM_ALLREDUCE = 6
+
+MPI_PROGRAM = f"""
+import sys, time
+import numpy as np
+from mpi4py import MPI
+
+comm = MPI.COMM_WORLD
+x = np.full(8, float(comm.rank))             # 64 bytes
+y = np.empty_like(x)
+for _ in range({NUM_ALLREDUCE}):
+    comm.Allreduce(x, y)
+sub = comm.Split(comm.rank % 2, comm.rank)   # two communicators of 4
+sub.Bcast(x[:2], root=0)                     # 16 bytes
+comm.Barrier()
+# A loop the test can pause at the gate: one allreduce per 50 ms for a while.
+for i in range(int(sys.argv[2])):
+    comm.Allreduce(x[:1], y[:1])
+    time.sleep(0.05)
+print(f"rank {{comm.rank}} of {{comm.size}} sum {{y[0]:.0f}}", flush=True)
+"""
+
+
+def comment_of(job_id: str, timeout_s: float) -> tuple[str, float]:
+    """The job's sacct Comment once greyhound's summary is on it, and how long that took."""
+    t0 = time.monotonic()
+    comment = ""
+    while time.monotonic() - t0 < timeout_s:
+        comment = sacct_field(job_id, "Comment")
+        if "greyhound: " in comment:
+            break
+        time.sleep(0.5)
+    return comment, time.monotonic() - t0
+
+
+def wait_for_rings(run_dir: Path, n: int, timeout_s: float = 60) -> list[Path]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        paths = [p for p in ring_paths(run_dir) if p.name.split(".")[1].isdigit()]
+        if len(paths) >= n:
+            return paths
+        time.sleep(0.2)
+    raise AssertionError(f"{n} rings did not appear in {run_dir}: {list(run_dir.iterdir())}")
+
+
+def test_mpi_job_is_recorded_on_every_rank_and_obeys_the_gate(cluster, sbatch, tmp_path):
+    prog = tmp_path / "mpi_prog.py"
+    prog.write_text(MPI_PROGRAM)
+    script = f"#!/bin/bash\nsrun --mpi=pmix {sys.executable} {prog} {tmp_path} 60\n"
+    job = sbatch(script, "--nodes=4", "--ntasks=8", "--ntasks-per-node=2", "--greyhound=mode=detect")
+    run_dir = RUN_DIR_BASE / job.job_id
+    for _ in range(240):
+        if run_dir.is_dir():
+            break
+        time.sleep(0.25)
+    rings = wait_for_rings(run_dir, 8)
+
+    # Pause rank 5 at its gate: its calls stop, and so does everyone's progress at
+    # the next collective; resuming lets the job finish.
+    with RingReader(run_dir / "ring.5") as ring5:
+        while ring5.counters()["head"] < NUM_ALLREDUCE + 4:
+            time.sleep(0.05)
+        ring5.pause()
+        time.sleep(1.0)
+        held_head = ring5.counters()["head"]
+        time.sleep(1.0)
+        assert ring5.counters()["head"] == held_head, "a paused rank went on calling"
+        assert ring5.parked == 1
+        ring5.resume()
+    assert job.wait() == "COMPLETED", job.text()
+    lines = sorted(line for line in job.text().splitlines() if line.startswith("rank "))
+    # The Bcast left x[0] = 0 on even ranks and 1 on odd ones: 4 x 0 + 4 x 1.
+    assert lines == sorted(f"rank {r} of 8 sum 4" for r in range(8))
+
+    world_ids, sub_ids = set(), {0: set(), 1: set()}
+    for path in rings:
+        with RingReader(path, publish=False) as r:
+            info, recs, counters = r.info, r.read().records, r.counters()
+        assert info.job_id == job.job_id
+        assert counters["drops"] == 0 and counters["gate_timeouts"] == 0
+        rank = info.rank
+        allreduce = recs[(recs["op"] == OP["AllReduce"]) & (recs["size_bytes"] == 64)]
+        assert len(allreduce) == NUM_ALLREDUCE, (rank, len(allreduce))
+        world_ids |= set(allreduce["comm_id"].tolist())
+        bcast = recs[recs["op"] == OP["Broadcast"]]
+        assert bcast["size_bytes"].tolist() == [16]
+        sub_ids[rank % 2] |= set(bcast["comm_id"].tolist())
+        assert (recs["op"] == OP["Barrier"]).sum() == 1
+        calls = recs[np.isin(recs["op"], list(CALL_OPS))]
+        assert np.all(calls["t_end_ns"] >= calls["t_start_ns"])
+    assert len(world_ids) == 1, "ranks disagree on the world communicator's id"
+    assert len(sub_ids[0]) == len(sub_ids[1]) == 1 and sub_ids[0] != sub_ids[1]
+    assert sorted(int(p.name.split(".")[1]) for p in rings) == list(range(8))
+
+
+@pytest.fixture(scope="module")
+def training_job(cluster, tmp_path_factory):
+    """The reference job, DP=2 x PP=4 on 4 nodes, under sbatch --greyhound."""
+    out = tmp_path_factory.mktemp("gpt")
+    out.chmod(0o755)
+    env = dict(os.environ, GREYHOUND_REPO=str(REPO), OUT_DIR=str(out))
+    proc = subprocess.run(
+        ["sbatch", "--parsable", "--greyhound", "--comment=My Run 7", f"--output={out}/job.out",
+         str(REPO / "examples/gpt_hybrid.sbatch"), "--steps", "8", "--trace-every", "2"],
+        capture_output=True, text=True, env=env, cwd=out, check=True, timeout=60,
+    )
+    job_id = proc.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:
+        state = sacct_field(job_id, "State").split()
+        if state and state[0] not in ("PENDING", "RUNNING", "COMPLETING"):
+            break
+        time.sleep(1)
+    else:
+        subprocess.run(["scancel", job_id], check=False)
+        pytest.fail(f"training job {job_id} did not end in time")
+    ended = time.monotonic()
+    return job_id, out, ended
+
+
+def test_training_job_trains_and_is_captured_without_code_changes(training_job):
+    job_id, out, _ = training_job
+    text = (out / "job.out").read_text()
+    assert sacct_field(job_id, "State").split()[0] == "COMPLETED", text
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics]
+    assert [m["step"] for m in metrics] == list(range(8))
+    assert losses[-1] < losses[0], losses
+    # gloo is invisible to the C hook: the sitecustomize capture recorded every rank.
+    rings = [p for p in ring_paths(RUN_DIR_BASE / job_id) if p.name.split(".")[1].isdigit()]
+    assert sorted(int(p.name.split(".")[1]) for p in rings) == list(range(8))
+    for path in rings:
+        with RingReader(path, publish=False) as r:
+            recs = r.read().records
+        assert (recs["source"] == 3).any(), f"{path}: no torch records"
+        assert np.isin(recs["op"], [OP["Send"], OP["Recv"], OP["AllReduce"]]).any()
+
+
+def test_training_jobs_postmortem_is_on_its_record(training_job):
+    job_id, _, ended = training_job
+    comment, _ = comment_of(job_id, 60)
+    print(f"post-mortem summary on the record by {time.monotonic() - ended:.1f}s after the job ended")
+    assert comment.startswith("My Run 7 | greyhound: S="), comment
+    assert f"report {RUN_DIR_BASE}/{job_id}/report/report.html" in comment
+    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-o", "Comment%300"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "greyhound: S=" in out
+    report = subprocess.run([GREYHOUND, "report", job_id], capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    assert f"Job ID: {job_id}" in report.stdout
+    assert comment[len("My Run 7 | "):] in report.stdout
+    assert "Causes:" in report.stdout
+    data = json.loads(subprocess.run([GREYHOUND, "report", "--json", job_id], capture_output=True,
+                                     text=True, check=True).stdout)
+    assert data["postmortem"]["job"]["dp"] == 2 and data["postmortem"]["job"]["pp"] == 4
+    assert data["postmortem"]["slowdown"] >= 1.0
+    report_dir = RUN_DIR_BASE / job_id / "report"
+    assert report_dir.stat().st_mode & 0o777 == 0o700
+    assert {"report.html", "heatmap.png", "postmortem.json", "timeline.trace.json"} <= {
+        p.name for p in report_dir.iterdir()}
+
+
+def test_job_without_a_trace_gets_a_record_that_says_so(cluster, sbatch):
+    job = sbatch("#!/bin/bash\ntrue\n", "--greyhound")
+    assert job.wait() == "COMPLETED"
+    comment, _ = comment_of(job.job_id, 60)
+    assert comment == f"greyhound: no post-mortem: no timeline trace in {RUN_DIR_BASE}/{job.job_id} (the job recorded none)"
+    off = sbatch("#!/bin/bash\ntrue\n", "--greyhound=trace=off")
+    assert off.wait() == "COMPLETED"
+    comment, _ = comment_of(off.job_id, 60)
+    assert comment == "greyhound: no post-mortem: tracing was off for this job (--greyhound=trace=off)"
+    shown = subprocess.run([GREYHOUND, "report", off.job_id], capture_output=True, text=True, check=True)
+    assert "tracing was off" in shown.stdout
+
+
+def test_report_for_a_job_without_greyhound_is_a_clear_error(cluster, sbatch):
+    job = sbatch("#!/bin/bash\ntrue\n")
+    assert job.wait() == "COMPLETED"
+    proc = subprocess.run([GREYHOUND, "report", job.job_id], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"greyhound: job {job.job_id} has no greyhound summary on its record "
+                                   "(not run with --greyhound, or its post-mortem has not finished yet)")
