@@ -73,7 +73,8 @@ def window_changepoints(
     The reference level is the median of the first full window of the current regime.
     At iteration t the median of the last ``window`` iterations is compared with it; if
     they differ by more than ``band`` a change is reported with index
-    ``t - window // 2`` (a running median turns when half the window is new). The new
+    ``t - (window - 1) // 2`` (a running median turns when half the window is new),
+    its new level the median from there to t. The new
     regime's reference is its first full window, so no change is reported until then.
     O(n * window).
 
@@ -107,9 +108,8 @@ def window_changepoints(
         level = float(medians[k])
         if abs(level / reference - 1.0) > band:
             t = k + window - 1
-            index = max(t - window // 2, regime_start + 1)
-            out.append(
-                ChangePoint(index=index, detected_at=t, before=reference, after=level)
-            )
+            index = max(t - (window - 1) // 2, regime_start + 1)
+            after = float(np.median(x[index : t + 1]))
+            out.append(ChangePoint(index=index, detected_at=t, before=reference, after=after))
             regime_start, reference = index, None
     return out

@@ -153,7 +153,8 @@ def labelled_series(
     min_iterations: int = 1000,
     max_iterations: int = 3000,
 ) -> list[tuple[np.ndarray, SeriesTruth]]:
-    """A labelled set of jobs; positives carry one (70%) or two fail-slows.
+    """A labelled set of jobs; positives carry one (70%) or two fail-slows (two only
+    in jobs of >= 400 iterations).
 
     Returns:
         [(x, truth)] in job order; the first round(num_jobs * positive_fraction) jobs
@@ -166,7 +167,7 @@ def labelled_series(
     out = []
     for job in range(num_jobs):
         n = int(rng.integers(min_iterations, max_iterations + 1))
-        count = (1 if rng.random() < 0.7 else 2) if job in positives else 0
+        count = (1 if rng.random() < 0.7 or n < 400 else 2) if job in positives else 0
         out.append(iteration_series(rng, num_iterations=n, num_fail_slows=count))
     return out
 

@@ -1,0 +1,122 @@
+"""Slow intervals, the window baseline, the pipeline and the generators."""
+
+import numpy as np
+import pytest
+
+from greyhound.analytics.baselines import window_changepoints
+from greyhound.analytics.changepoint import ChangePoint, RecentValues
+from greyhound.analytics.detect import METHODS, detect_series
+from greyhound.analytics.intervals import healthy_level, slow_intervals
+from greyhound.analytics.synthetic import OP_NAMES, call_trace, iteration_series, labelled_series
+
+
+def _cp(index):
+    return ChangePoint(index=index, detected_at=index, before=1.0, after=1.0)
+
+
+def test_one_slow_regime_is_one_interval():
+    x = np.array([1.0] * 10 + [2.0] * 10 + [1.0] * 10)
+    (interval,) = slow_intervals(x, [_cp(10), _cp(20)])
+    assert (interval.start_index, interval.end_index, interval.slowdown) == (10, 20, 2.0)
+    assert healthy_level(x, [interval]) == 1.0
+
+
+def test_interval_still_open_at_the_end_has_no_end():
+    x = np.array([1.0] * 5 + [1.5] * 5)
+    (interval,) = slow_intervals(x, [_cp(5)])
+    assert interval.end_index is None and interval.slowdown == 1.5
+
+
+def test_consecutive_slow_regimes_merge_and_benign_shift_moves_healthy():
+    # healthy 1.0, benign 1.05 (new healthy), slow 1.3 then 1.6, back to 1.05.
+    x = np.array([1.0] * 4 + [1.05] * 4 + [1.3] * 4 + [1.6] * 4 + [1.05] * 4)
+    (interval,) = slow_intervals(x, [_cp(4), _cp(8), _cp(12), _cp(16)])
+    assert (interval.start_index, interval.end_index) == (8, 16)
+    assert interval.slowdown == pytest.approx(np.median([1.3] * 4 + [1.6] * 4) / 1.05)
+
+
+def test_small_rise_is_not_slow():
+    x = np.array([1.0] * 5 + [1.08] * 5)
+    assert slow_intervals(x, [_cp(5)]) == []
+
+
+def test_change_points_must_increase():
+    with pytest.raises(ValueError, match="increase"):
+        slow_intervals(np.ones(10), [_cp(5), _cp(5)])
+
+
+def test_window_baseline_exact_on_a_step():
+    x = np.array([1.0] * 30 + [1.5] * 30)
+    (cp,) = window_changepoints(x, window=10)
+    # The median of 10 turns when 5 of them are new (it averages 1.0 and 1.5): t = 34.
+    assert (cp.index, cp.detected_at, cp.before, cp.after) == (30, 34, 1.0, 1.5)
+
+
+def test_window_baseline_ignores_spikes_and_misses_short_blips():
+    x = np.ones(100)
+    x[[20, 50, 51]] = 3.0  # spikes
+    x[70:74] = 1.5  # 4 slow iterations: shorter than half the window
+    assert window_changepoints(x, window=10) == []
+
+
+def test_recent_values_are_addressed_by_absolute_index():
+    values = RecentValues(4)
+    for v in range(10):
+        values.append(float(v))
+    np.testing.assert_array_equal(values.window(0, 10), [6.0, 7.0, 8.0, 9.0])
+    np.testing.assert_array_equal(values.window(7, 9), [7.0, 8.0])
+    assert len(values.window(20, 30)) == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_finds_a_clean_fail_slow(method):
+    x = np.array([1.0] * 60 + [1.5] * 60 + [1.0] * 60)
+    d = detect_series(x, method=method)
+    assert d.fail_slow and d.iterations == 180 and d.baseline_iteration_time == 1.0
+    (interval,) = d.slow_intervals
+    assert abs(interval.start_index - 60) <= 1 and abs(interval.end_index - 120) <= 1
+    assert interval.slowdown == 1.5
+
+
+def test_unknown_method_is_refused():
+    with pytest.raises(ValueError, match="method must be one of"):
+        detect_series(np.ones(5), method="magic")
+
+
+def test_generators_are_deterministic_per_seed():
+    a = labelled_series(seed=3, num_jobs=4, min_iterations=300, max_iterations=400)
+    b = labelled_series(seed=3, num_jobs=4, min_iterations=300, max_iterations=400)
+    for (xa, ta), (xb, tb) in zip(a, b):
+        np.testing.assert_array_equal(xa, xb)
+        assert ta == tb
+    c = labelled_series(seed=4, num_jobs=4, min_iterations=300, max_iterations=400)
+    assert not np.array_equal(a[0][0], c[0][0])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_generated_fail_slows_follow_their_spec(seed):
+    x, truth = iteration_series(np.random.default_rng(seed), num_iterations=1500, num_fail_slows=2)
+    assert len(x) == 1500 and np.all(x > 0) and truth.positive
+    events = truth.fail_slows
+    assert events[0].end < events[1].onset
+    for fs in events:
+        assert 1.1 <= fs.factor <= 2.0 and 20 <= fs.end - fs.onset <= 600
+        assert 0 <= fs.ramp <= (fs.end - fs.onset) // 2
+        inside = np.median(x[fs.onset + fs.ramp : fs.end])
+        before = np.median(x[fs.onset - 50 : fs.onset])
+        assert inside / before == pytest.approx(fs.factor, rel=0.12)
+    for _, factor in truth.level_shifts:
+        assert 0.02 <= abs(factor - 1) <= 0.05
+
+
+def test_call_trace_has_one_op_sequence_per_iteration():
+    trace, truth = call_trace(seed=1, num_iterations=5, warmup_calls=3)
+    per_iter = truth.calls_per_iteration
+    assert len(trace.op) == 3 + 5 * per_iter
+    np.testing.assert_array_equal(trace.op[3 : 3 + per_iter], trace.op[3 + per_iter : 3 + 2 * per_iter])
+    assert np.all(np.diff(trace.time) > 0)
+    assert {OP_NAMES[o] for o in trace.op[3:]} == {"Recv", "Send", "AllReduce", "ReduceScatter", "AllGather"}
+    owner = truth.call_iteration
+    for i in range(5):
+        t = trace.time[owner == i]
+        assert truth.iteration_start[i] <= t.min() and t.max() < truth.iteration_start[i + 1]
