@@ -122,10 +122,8 @@ def build_model(trace: Trace) -> Model:
     D, P = meta.dp, meta.pp
     ops = trace.ops
     notes: list[str] = list(trace.dropped)
-    step = ops["step"].astype(np.int64)
-    dp = ops["dp_rank"].astype(np.int64)
-    pp = ops["pp_rank"].astype(np.int64)
-    code = ops["optype"].astype(np.int64)
+    # native (narrow) dtypes: widened only where a key needs it
+    step, dp, pp, code = ops["step"], ops["dp_rank"], ops["pp_rank"], ops["optype"]
     start = ops["start"]
     dur = ops["duration"]
     if step.size == 0:
@@ -133,6 +131,7 @@ def build_model(trace: Trace) -> Model:
 
     bad = ~np.isfinite(start) | ~np.isfinite(dur) | (dur < 0) | (dp < 0) | (dp >= D) | (pp < 0) | (pp >= P)
     steps_all, step_idx = _dense_unique(step)
+    steps_all = steps_all.astype(np.int64)
     N_all = steps_all.size
     bad_step = np.zeros(N_all, bool)
     if bad.any():
@@ -158,14 +157,16 @@ def build_model(trace: Trace) -> Model:
 
     # template keys
     max_occ = int(occ.max()) + 1
-    tkey = (pp * len(OPTYPES) + code) * max_occ + occ
+    tdt = np.int32 if P * len(OPTYPES) * max_occ < np.iinfo(np.int32).max else np.int64
+    tkey = (pp.astype(tdt) * len(OPTYPES) + code) * max_occ + occ
     del occ
     tkeys, t_of_row = _dense_unique(tkey)
+    tkeys = tkeys.astype(np.int64)
     del tkey
     n_t = tkeys.size
     # (template op, dp, step) is unique per row: the occurrence numbers a worker-step's
     # ops of one type, so each cell gets at most one row
-    cell = (t_of_row * D + dp) * N_all + step_idx
+    cell = (t_of_row.astype(np.int64) * D + dp) * N_all + step_idx
     del t_of_row
     S = np.zeros((n_t, D, N_all))
     U = np.zeros((n_t, D, N_all))
@@ -297,6 +298,8 @@ def _dense_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     seen[shifted] = True
     values = np.flatnonzero(seen).astype(keys.dtype) + lo
     rank = np.cumsum(seen, dtype=np.int64) - 1
+    if values.size < np.iinfo(np.int32).max:
+        rank = rank.astype(np.int32)  # half the memory of the per-row inverse
     return values, rank[shifted]
 
 
@@ -324,8 +327,9 @@ def _occurrence(step_idx, dp, pp, code, start, *, D: int, P: int, N: int) -> np.
         np.not_equal(wk[1:], wk[:-1], out=boundary[1:])
     del s, wk, worker_key
     first = np.flatnonzero(boundary)
-    run_id = np.cumsum(boundary, dtype=np.int64) - 1
-    occ_sorted = np.arange(boundary.size, dtype=np.int64) - first[run_id]
+    idt = np.int32 if boundary.size < np.iinfo(np.int32).max else np.int64
+    run_id = np.cumsum(boundary, dtype=idt) - 1
+    occ_sorted = np.arange(boundary.size, dtype=idt) - first.astype(idt)[run_id]
     del run_id, boundary
     occ = np.empty_like(occ_sorted)
     occ[order] = occ_sorted
