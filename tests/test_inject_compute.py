@@ -131,7 +131,7 @@ def test_quota_takes_the_cpu_and_gives_it_back(env, busy, home_cgroup, tmp_path)
     before = cpu_rate(busy.pid)
     truth_path = tmp_path / "truth.jsonl"
     severity = 0.9
-    spec = ComputeSpec(pid=busy.pid, severity=severity)
+    spec = ComputeSpec(pid=busy.pid, severity=severity, cpus=1.0)
     stop, thread, result = run_in_background([Planned(spec=spec, duration_s=3.0)], env, truth_path)
     try:
         wait_until(lambda: cpu_cgroup(busy.pid).startswith(f"/{env.cgroup_parent}/"))
@@ -353,3 +353,24 @@ def test_non_root_is_refused(tmp_path):
         capture_output=True, text=True, timeout=30)
     assert done.returncode == 1
     assert done.stderr == "greyhound: inject: compute injection needs root (it creates cpu cgroups and moves processes)\n"
+
+
+def test_default_quota_is_a_fraction_of_what_the_target_was_using(env, busy, home_cgroup, tmp_path):
+    # Without cpus, severity is relative to the CPU the target really had (on an
+    # oversubscribed node that is well under one CPU), so it slows it for real.
+    cap = home_cgroup / "cpu.cfs_quota_us"
+    cap.write_text("40000")  # the "node" gives the busy loop 0.4 CPU at most
+    time.sleep(0.3)
+    spec = ComputeSpec(pid=busy.pid, severity=0.5)
+    stop, thread, result = run_in_background([Planned(spec=spec, duration_s=4.0)], env, tmp_path / "t.jsonl")
+    try:
+        wait_until(lambda: cpu_cgroup(busy.pid).startswith(f"/{env.cgroup_parent}/"), timeout_s=15)
+        cgroup = CPU_ROOT / cpu_cgroup(busy.pid).lstrip("/")
+        quota = int((cgroup / "cpu.cfs_quota_us").read_text())
+    finally:
+        thread.join(15)
+        cap.write_text("-1")
+    # Measured <= 0.4 CPU (the cap), so half of it is at most 0.2 CPU: 20 ms per 100 ms.
+    assert 1000 <= quota <= 20_500, quota
+    record = result["outcomes"][0].record
+    assert record["quota_cpus"] == pytest.approx(quota / 100_000)

@@ -108,8 +108,9 @@ _json = click.option("--json", "as_json", is_flag=True, help="Print the truth re
 @click.option("--step", default=None, help="Job step, when several steps run the rank here.")
 @click.option("--severity", type=float, default=DEFAULT_SEVERITY, show_default=True,
               help=f"Fraction of the CPU taken away, in (0, {SEVERITY_MAX}].")
-@click.option("--cpus", type=float, default=1.0, show_default=True,
-              help="CPUs the target uses unslowed; it keeps (1 - severity) x cpus.")
+@click.option("--cpus", type=float, default=None,
+              help="CPUs the target uses unslowed; it keeps (1 - severity) x cpus "
+                   "[default: what it used in the second before].")
 @_duration
 @_start_after
 @_truth

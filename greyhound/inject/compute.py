@@ -2,7 +2,9 @@
 
 The target's processes (their whole thread groups: a write to ``cgroup.procs`` moves
 every thread) go into ``<cgroup_root>/<parent>/<id>`` with
-``cpu.cfs_quota_us = (1 - severity) x cpus x cpu.cfs_period_us``. Children forked
+``cpu.cfs_quota_us = (1 - severity) x cpus x cpu.cfs_period_us``, where cpus is given
+or measured: the CPU the target used in the second before (see ComputeSpec.cpus).
+Children forked
 while injected inherit the cgroup and are slowed too. Undo moves every task still in
 the cgroup back where its process was before (read from /proc/PID/cgroup) and removes
 the cgroup.
@@ -31,10 +33,36 @@ PERIOD_US = 100_000
 _RMDIR_WAIT_S = 2.0
 
 
-def quota_us(spec: ComputeSpec, period_us: int = PERIOD_US) -> int:
-    """CFS quota for the spec: what the target keeps, in microseconds per period."""
+MEASURE_WINDOW_S = 1.0
+MIN_CPUS = 0.01
+"""Floor of a measured CPU rate: an idle target still gets a quota that means something."""
+
+
+def quota_us(severity: float, cpus: float, period_us: int = PERIOD_US) -> int:
+    """CFS quota: what the target keeps, in microseconds per period."""
     # The kernel refuses quotas below 1 ms.
-    return max(1000, round((1.0 - spec.severity) * spec.cpus * period_us))
+    return max(1000, round((1.0 - severity) * cpus * period_us))
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of the processes (all threads), 0 for a gone one."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total / ticks
+
+
+def measure_cpus(pids: list[int], window_s: float = MEASURE_WINDOW_S) -> float:
+    """CPUs the processes used over the next window_s seconds (at least MIN_CPUS)."""
+    t0, c0 = time.monotonic(), _cpu_seconds(pids)
+    time.sleep(window_s)
+    rate = (_cpu_seconds(pids) - c0) / (time.monotonic() - t0)
+    return max(MIN_CPUS, rate)
 
 
 def cpu_cgroup_of(pid: int) -> str:
@@ -139,6 +167,8 @@ class ComputeInjection:
         self.pids: list[int] = []
         self.step: str | None = spec.step
         self.originals: dict[int, str] = {}
+        self.cpus: float | None = spec.cpus
+        """CPUs the quota is a fraction of: given, or measured at apply()."""
 
     def preflight(self) -> None:
         """Checks that need no target yet (and the pid, when the target is a pid)."""
@@ -167,12 +197,14 @@ class ComputeInjection:
 
     def apply(self, record_state=lambda: None) -> None:
         """Create the cgroup with its quota and move the resolved pids into it."""
+        if self.cpus is None:
+            self.cpus = measure_cpus(self.pids)
         record_state()  # before the change, so undo-all knows it even if we die now
         try:
             self.env.cgroup_base.mkdir(exist_ok=True)
             self.cgroup.mkdir()
             _write(self.cgroup / "cpu.cfs_period_us", str(PERIOD_US))
-            _write(self.cgroup / "cpu.cfs_quota_us", str(quota_us(self.spec)))
+            _write(self.cgroup / "cpu.cfs_quota_us", str(quota_us(self.spec.severity, self.cpus)))
         except OSError as exc:
             raise InputError(f"cannot set up cgroup {self.cgroup}: {exc.strerror}") from exc
         moved = []
@@ -186,7 +218,7 @@ class ComputeInjection:
             raise InputError(f"pids {self.pids} exited before they could be slowed")
         self.pids = moved
         log.info("%s: pids %s limited to %.3f CPU in %s", self.id, moved,
-                 quota_us(self.spec) / PERIOD_US, self.cgroup)
+                 quota_us(self.spec.severity, self.cpus) / PERIOD_US, self.cgroup)
 
     def target_alive(self) -> bool:
         return bool(_members(self.cgroup))
@@ -200,6 +232,6 @@ class ComputeInjection:
 
     def truth_fields(self) -> dict:
         return {"severity": self.spec.severity,
-                "quota_cpus": quota_us(self.spec) / PERIOD_US,
+                "quota_cpus": quota_us(self.spec.severity, self.cpus) / PERIOD_US if self.cpus else None,
                 "pids": self.pids, "job": self.spec.job, "step": self.step,
                 "rank": self.spec.rank}

@@ -93,8 +93,11 @@ class ComputeSpec:
     """SLURM_PROCID of the target task."""
     step: str | None = None
     """The job step (needed when two steps of the job have the rank on this host)."""
-    cpus: float = 1.0
-    """CPUs the target may use without the injection; the quota is (1 - severity) x cpus."""
+    cpus: float | None = None
+    """CPUs the target may use without the injection; the quota is (1 - severity) x cpus.
+    None: the CPU the target actually used in the second before the injection, so that
+    severity means the same on an oversubscribed node (8 ranks on 2 cores) as on an
+    idle one."""
 
     def __post_init__(self) -> None:
         if not (0.0 < self.severity <= SEVERITY_MAX):
@@ -102,7 +105,7 @@ class ComputeSpec:
                 f"severity {self.severity!r} is out of range; allowed (0, {SEVERITY_MAX}] "
                 "(the fraction of CPU taken away)"
             )
-        if not (0.0 < self.cpus <= 1024):
+        if self.cpus is not None and not (0.0 < self.cpus <= 1024):
             raise ValueError(f"cpus {self.cpus!r} is out of range; allowed (0, 1024]")
         by_pid = self.pid is not None
         by_rank = self.job is not None or self.rank is not None
