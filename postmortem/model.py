@@ -66,11 +66,9 @@ class Level:
     ops: np.ndarray  # (n_l,) template op ids
     pred: np.ndarray  # (n_l, k) predecessors of each op, trimmed to the level's max count
     spans: np.ndarray | None  # level-local indices of ops whose group reduces over DP, None if none
-    # groups: the ops of a group are adjacent in ``ops``; None when all are singletons
-    group_starts: np.ndarray | None = None  # (n_groups,) level-local first member of each group
-    group_index: np.ndarray | None = None  # (n_l,) group of each op, 0..n_groups-1
-    group_last: np.ndarray | None = None  # (n_groups,) level-local last member of each group
-    group_width: int = 1  # most members in a group of this level
+    # groups of k > 1 members, as k adjacent blocks of n ops starting at a: block j holds
+    # member j of each of the n groups, so a group max is a max of k slices
+    group_blocks: tuple[tuple[int, int, int], ...] = ()  # (a, n, k) per group size k
     # the live-buffer walk (simulate.py): rows of a buffer that holds each op's end only
     # until its last successor has read it; row Model.buffer_rows is the step's start (0)
     read: np.ndarray | None = None  # (n_l, k) buffer rows of ``pred``
@@ -444,14 +442,21 @@ def _levels(pred: np.ndarray, group: np.ndarray, spans: np.ndarray, *, where: st
     """
     n_t = pred.shape[0]
     lv = _group_levels(pred, group, where=where)
-    order = np.lexsort((group, lv))
-    lv_s, g_s = lv[order], group[order]
+    # within a level: singletons, then per group size k, member 0 of every group, member
+    # 1 of every group, ... (see Level.group_blocks)
+    size = np.bincount(group)[group]
+    by_group = np.lexsort((np.arange(n_t), group))
+    g_sorted = group[by_group]
+    g_first = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
+    member = np.empty(n_t, np.int64)
+    member[by_group] = np.arange(n_t) - np.repeat(g_first, np.diff(np.r_[g_first, n_t]))
+    order = np.lexsort((group, member, size, lv))
+    lv_s = lv[order]
     new_level = np.r_[True, lv_s[1:] != lv_s[:-1]]
     lstart = np.flatnonzero(new_level)  # (L,) first position of each level
     lend = np.r_[lstart[1:], n_t]
     level_no = np.empty(n_t, np.int64)
     level_no[order] = np.cumsum(new_level) - 1
-    pos = np.arange(n_t) - np.repeat(lstart, lend - lstart)  # level-local index, sorted order
 
     # the walk keeps an op's end only until its last successor's level has read it;
     # ops nobody waits for (sinks) are only folded into the step time
@@ -466,24 +471,21 @@ def _levels(pred: np.ndarray, group: np.ndarray, spans: np.ndarray, *, where: st
     pred_s = pred[order]
     read_s = slot_of[pred_s]
     stored_s = last_use[order] >= 0
-    new_group = new_level | np.r_[True, g_s[1:] != g_s[:-1]]
-    gstart = np.flatnonzero(new_group)
-    gsize = np.diff(np.r_[gstart, n_t])
-    gwidth = np.maximum.reduceat(gsize, np.searchsorted(gstart, lstart))
-    gcount = np.cumsum(new_group) - 1  # global group run number per sorted op
     span_s = spans[order]
+    size_s = size[order]
+    seg = np.flatnonzero(new_level | np.r_[True, size_s[1:] != size_s[:-1]])
+    seg_len = np.diff(np.r_[seg, n_t])
+    blocks: list[list[tuple[int, int, int]]] = [[] for _ in lstart]
+    for a, length in zip(seg.tolist(), seg_len.tolist()):
+        k = int(size_s[a])
+        if k > 1:
+            i = int(level_no[order[a]])
+            blocks[i].append((a - int(lstart[i]), length // k, k))
 
     out = []
     for i, (a, b) in enumerate(zip(lstart.tolist(), lend.tolist())):
         k = int(k_level[i])
         st = stored_s[a:b]
-        width = int(gwidth[i])
-        starts = gid = last = None
-        if width > 1:
-            ga, gb = np.searchsorted(gstart, [a, b])
-            starts = gstart[ga:gb] - a
-            last = starts + gsize[ga:gb] - 1
-            gid = gcount[a:b] - gcount[a]
         sp = np.flatnonzero(span_s[a:b])
         sinks = np.flatnonzero(~st)
         out.append(
@@ -491,10 +493,7 @@ def _levels(pred: np.ndarray, group: np.ndarray, spans: np.ndarray, *, where: st
                 ops=order[a:b],
                 pred=pred_s[a:b, :k],
                 spans=sp if sp.size else None,
-                group_starts=starts,
-                group_index=gid,
-                group_last=last,
-                group_width=width,
+                group_blocks=tuple(blocks[i]),
                 read=read_s[a:b, :k],
                 store=None if st.all() else np.flatnonzero(st),
                 store_slots=slot_of[order[a:b][st]],

@@ -135,13 +135,14 @@ def _simulate_live(model: Model, ideal: np.ndarray, keep: np.ndarray) -> np.ndar
     return times
 
 
-def _group_max(g: np.ndarray, lv) -> np.ndarray:
-    """Each op's value replaced by the max over its group (adjacent runs along axis 0)."""
-    gs = lv.group_starts
-    gmax = g[gs]
-    for j in range(1, lv.group_width):  # short runs repeat their last member: max unchanged
-        np.maximum(gmax, g[np.minimum(gs + j, lv.group_last)], out=gmax)
-    return gmax[lv.group_index]
+def _group_max(g: np.ndarray, lv) -> None:
+    """In place: each op's value becomes the max over its group (Level.group_blocks)."""
+    for a, n, k in lv.group_blocks:
+        m = g[a : a + n]
+        for j in range(1, k):
+            np.maximum(m, g[a + j * n : a + (j + 1) * n], out=m)
+        for j in range(1, k):
+            g[a + j * n : a + (j + 1) * n] = m
 
 
 def _walk_live(model: Model, ideal: np.ndarray, keep: np.ndarray, cols: np.ndarray, n0: int, n1: int) -> np.ndarray:
@@ -169,8 +170,7 @@ def _walk_live(model: Model, ideal: np.ndarray, keep: np.ndarray, cols: np.ndarr
             np.maximum(g, buf[rd[:, j]], out=g)
         if lv.spans is not None:
             g[lv.spans] = g[lv.spans].max(axis=2, keepdims=True)
-        if lv.group_starts is not None:
-            g = _group_max(g, lv)
+        _group_max(g, lv)
         real = transfer[ops][:, None] if identity else transfer[ops][:, cols]  # (n_l, 1|S, W, Nb)
         end = g + ideal_c[ops]
         np.add(g, real, out=end, where=keep_c[ops])
@@ -201,8 +201,7 @@ def _walk(model: Model, ideal: np.ndarray, keep: np.ndarray, record: bool):
         if lv.spans is not None:
             g = g.copy()
             g[lv.spans] = g[lv.spans].max(axis=2, keepdims=True)
-        if lv.group_starts is not None:
-            g = _group_max(g, lv)
+        _group_max(g, lv)
         end[ops] = g + np.where(keep_t[ops], real[ops], ideal_full[ops])
     step_time = end[:n_t].max(axis=(0, 2))  # (S, N)
     if record:
