@@ -14,6 +14,8 @@ __all__ = ["PlainBocd", "bocd_changepoints", "window_changepoints"]
 
 # Plain BOCD reports "before" over this many iterations, like BOCD+V's default.
 _BEFORE_WINDOW = 50
+# A flagged start older than this (BOCD+V's max_pending) is not reported.
+_MAX_AGE = 12
 
 
 class PlainBocd:
@@ -38,6 +40,8 @@ class PlainBocd:
         if start is None:
             return None
         self._last_candidate = start
+        if t - start + 1 > _MAX_AGE:
+            return None  # an old change re-placed after the fact is no news
         before, after_low, after_high = level_ratio(
             self._values, regime_start=self._regime_start, reference=start, index=start,
             now=t, before_window=_BEFORE_WINDOW,

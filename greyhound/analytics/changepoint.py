@@ -87,6 +87,8 @@ def level_ratio(
     before = values.window(max(regime_start, reference - before_window), reference)
     if len(before) == 0:
         before = values.window(reference - 1, reference)
+    if len(before) == 0:
+        raise ValueError(f"no values kept before index {reference}; the buffer is too short")
     after = np.sort(values.window(index, now + 1))
     m = len(after)
     return float(np.median(before)), float(after[(m - 1) // 2]), float(after[m // 2])

@@ -214,8 +214,8 @@ def call_trace(
 ) -> tuple[CallTrace, TraceTruth]:
     """One middle-stage rank's calls in a TP x DP x PP job (Megatron-like, 1F1B).
 
-    Per micro-batch: Recv activations, one TP AllReduce per layer (a burst of
-    identical calls), Send activations; then the same backwards; at the iteration's
+    Per micro-batch: Recv activations (pp > 1), one TP AllReduce per layer (tp > 1; a
+    burst of identical calls), Send activations (pp > 1); then the same backwards; at the iteration's
     end a ReduceScatter + AllGather of the gradients over DP and an 8-byte AllReduce of
     the loss. Warm-up: parameter Broadcasts of varying size and a Barrier. With
     ``eval_every``, every such iteration ends with an extra Barrier + AllReduce (an
@@ -233,10 +233,12 @@ def call_trace(
     pattern: list[tuple[int, int, int]] = []
     for direction in range(2):
         for _ in range(microbatches):
-            pattern.append((_RECV, comm_pp, act_bytes))
+            if pp > 1:
+                pattern.append((_RECV, comm_pp, act_bytes))
             if tp > 1:
                 pattern += [(_AR, comm_tp, act_bytes * (1 + direction))] * layers
-            pattern.append((_SEND, comm_pp, act_bytes))
+            if pp > 1:
+                pattern.append((_SEND, comm_pp, act_bytes))
     pattern += [(_RS, comm_dp, grad_bytes), (_AG, comm_dp, grad_bytes), (_AR, comm_world, 8)]
     period = len(pattern)
     # Gap before each call of the pattern, and the optimizer step after the last one;

@@ -131,7 +131,11 @@ class BocdV:
             self._suspicion = None
         flagged = post.flagged_start(self._last_candidate)
         if flagged is not None:
-            self._pending = self._last_candidate = flagged
+            self._last_candidate = flagged
+            # BOCD sometimes re-places an old change by a few iterations long after
+            # the fact; only fresh changes are news.
+            if t - flagged + 1 <= v.max_pending:
+                self._pending = flagged
         start = self._pending
         if start is None:
             return self._check_creep(t)
