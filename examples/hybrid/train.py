@@ -194,8 +194,14 @@ def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, devi
     if cfg.trace_dir:
         dist.barrier()  # every rank's file is complete
         if rank == 0:
+            from greyhound.errors import GreyhoundError
             from postmortem.merge import merge_trace_dir
 
-            path = merge_trace_dir(cfg.trace_dir, job_id=cfg.job_id or penv.job_id)
-            log.info("timeline trace: %s", path)
+            # The trace is a by-product: a failed merge (e.g. no sampled step) is
+            # reported, never turned into a failed training run.
+            try:
+                path = merge_trace_dir(cfg.trace_dir, job_id=cfg.job_id or penv.job_id)
+                log.info("timeline trace: %s", path)
+            except GreyhoundError as exc:
+                log.warning("timeline trace not merged: %s", exc)
     return rows

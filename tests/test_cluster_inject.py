@@ -1,0 +1,121 @@
+"""Real fail-slows on the reference job: a CPU quota on one rank, a throttled node link.
+
+Both run on the local cluster with each node in its own network namespace
+(`scripts/cluster up --netns`), so a node's traffic really crosses its own veth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, sacct_field
+
+pytestmark = pytest.mark.cluster
+
+CLUSTER = str(REPO / "scripts/cluster")
+GREYHOUND = str(REPO / ".venv/bin/greyhound")
+
+
+def cluster_shape() -> str:
+    return Path("/var/lib/greyhound-cluster/shape").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def netns_cluster(cluster):
+    """The cluster with a network namespace per node; the plain one again afterwards."""
+    switched = cluster_shape() != "4 netns=1"
+    if switched:
+        subprocess.run([CLUSTER, "down"], check=True, capture_output=True, timeout=300)
+        subprocess.run([CLUSTER, "up", "--netns"], check=True, capture_output=True, timeout=300)
+    yield
+    if switched:
+        subprocess.run([CLUSTER, "down"], check=True, capture_output=True, timeout=300)
+        subprocess.run([CLUSTER, "up", "--nodes", "4"], check=True, capture_output=True, timeout=300)
+
+
+def start_training(out: Path, *extra: str) -> str:
+    out.mkdir(mode=0o755)
+    env = dict(os.environ, GREYHOUND_REPO=str(REPO), OUT_DIR=str(out))
+    proc = subprocess.run(
+        ["sbatch", "--parsable", f"--output={out}/job.out", str(REPO / "examples/gpt_hybrid.sbatch"),
+         "--steps", "40", "--trace-every", "1000", *extra],
+        capture_output=True, text=True, env=env, cwd=out, check=True, timeout=60,
+    )
+    return proc.stdout.strip().split(";")[0]
+
+
+def steps_done(out: Path) -> int:
+    try:
+        return len((out / "metrics.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def wait_steps(out: Path, n: int, timeout_s: float = 240) -> int:
+    deadline = time.monotonic() + timeout_s
+    while steps_done(out) < n:
+        assert time.monotonic() < deadline, f"fewer than {n} steps in {timeout_s}s: {(out / 'job.out').read_text()}"
+        time.sleep(0.5)
+    return steps_done(out)
+
+
+def wait_end(job_id: str, timeout_s: float = 300) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = sacct_field(job_id, "State").split()
+        if state and state[0] not in ("PENDING", "RUNNING", "COMPLETING"):
+            return state[0]
+        time.sleep(1)
+    subprocess.run(["scancel", job_id], check=False)
+    raise AssertionError(f"job {job_id} did not end")
+
+
+def inject_and_measure(out: Path, job_id: str, inject_args: list[str], truth: Path) -> dict[str, float]:
+    """Median step time before, during and after an injection of 10 s."""
+    n0 = wait_steps(out, 10)
+    proc = subprocess.run([GREYHOUND, "inject", *inject_args, "--duration", "10", "--truth", str(truth)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    n1 = steps_done(out)
+    assert wait_end(job_id) == "COMPLETED", (out / "job.out").read_text()
+    times = [json.loads(line)["step_time"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # Skip the warm-up step and the steps the injection's edges cut through.
+    before, during, after = times[2:n0], times[n0 + 1:n1 - 1], times[n1 + 1:]
+    assert len(during) >= 3 and len(after) >= 3, (n0, n1, len(times))
+    result = {k: statistics.median(v) for k, v in (("before", before), ("during", during), ("after", after))}
+    print(f"step time medians {inject_args[0]}: " + ", ".join(f"{k} {v:.3f}s" for k, v in result.items()))
+    return result
+
+
+def test_compute_injection_slows_steps_only_while_active(netns_cluster, tmp_path):
+    out = tmp_path / "compute"
+    job_id = start_training(out)
+    truth = tmp_path / "truth.jsonl"
+    medians = inject_and_measure(out, job_id, ["compute", "--job", job_id, "--rank", "3"], truth)
+    assert medians["during"] >= 1.3 * medians["before"]
+    assert medians["after"] < 1.15 * medians["before"]
+    record = json.loads(truth.read_text().splitlines()[-1])
+    assert (record["kind"], record["job"], record["rank"], record["severity"]) == ("compute", job_id, 3, 0.5)
+    assert record["end"] - record["start"] == pytest.approx(10, abs=0.5)
+
+
+def test_link_throttle_slows_a_job_whose_dp_traffic_crosses_the_node(netns_cluster, tmp_path):
+    # pp-fast: ranks 0-3 are replica 0's stages on n1, n2; ranks 4-7 replica 1's on
+    # n3, n4. Every stage's DP gradient all-reduce crosses n3's link.
+    out = tmp_path / "link"
+    job_id = start_training(out, "--rank-order", "pp-fast")
+    truth = tmp_path / "truth.jsonl"
+    medians = inject_and_measure(out, job_id, ["link", "--node", "n3", "--rate", "20mbit"], truth)
+    assert medians["during"] >= 1.3 * medians["before"]
+    assert medians["after"] < 1.15 * medians["before"]
+    record = json.loads(truth.read_text().splitlines()[-1])
+    assert record["kind"] == "link" and record["node"] == "n3"
+    tc = subprocess.run(["tc", "qdisc", "show", "dev", "gh-veth3"], capture_output=True, text=True, check=True)
+    assert "tbf" not in tc.stdout, "the throttle was not undone"
