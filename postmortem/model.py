@@ -532,36 +532,29 @@ def _assign_slots(order, level_no, last_use, n_levels: int) -> tuple[np.ndarray,
 def _group_levels(pred: np.ndarray, group: np.ndarray, *, where: str) -> np.ndarray:
     """(n_t,) level of each op's group: the longest path from the step's start, in groups.
 
-    Kahn's algorithm by frontiers over the group graph (an edge per pred): each frontier
-    is the groups whose preds are all done, so its number is 1 + the max of theirs.
-    A group that never frees (a cycle, or an op waiting on its own group) deadlocks.
+    Kahn's algorithm over the group graph (an edge per pred): a group is placed once
+    all its preds are, at 1 + the max of theirs.  A group that is never placed (a cycle,
+    or an op waiting on its own group) deadlocks.  Plain Python: the group graph has a
+    few edges per template op, and a numpy pass per frontier costs more than a loop.
     """
     n_t = pred.shape[0]
     n_g = int(group.max()) + 1
     rows, cols = np.nonzero(pred != n_t)
-    src = group[pred[rows, cols]]
-    dst = group[rows]
-    indeg = np.bincount(dst, minlength=n_g)
-    by_src = np.argsort(src, kind="stable")
-    out_dst = dst[by_src]
-    ptr = np.zeros(n_g + 1, np.int64)
-    np.cumsum(np.bincount(src, minlength=n_g), out=ptr[1:])
-    level_g = np.zeros(n_g, np.int64)
-    frontier = np.flatnonzero(indeg == 0)
-    level, done = 1, 0
-    while frontier.size:
-        level_g[frontier] = level
-        done += frontier.size
-        cnt = ptr[frontier + 1] - ptr[frontier]
-        total = int(cnt.sum())
-        if total == 0:
-            break
-        idx = np.arange(total) + np.repeat(ptr[frontier] - np.cumsum(cnt) + cnt, cnt)
-        targets = out_dst[idx]
-        indeg -= np.bincount(targets, minlength=n_g)
-        cand = np.unique(targets)
-        frontier = cand[indeg[cand] == 0]
-        level += 1
-    if done < n_g:
+    succ: list[list[int]] = [[] for _ in range(n_g)]
+    indeg = [0] * n_g
+    for s, d in zip(group[pred[rows, cols]].tolist(), group[rows].tolist()):
+        succ[s].append(d)
+        indeg[d] += 1
+    level = [1] * n_g
+    queue = [g for g in range(n_g) if indeg[g] == 0]
+    for g in queue:  # grows while it is walked
+        lg = level[g] + 1
+        for h in succ[g]:
+            if level[h] < lg:
+                level[h] = lg
+            indeg[h] -= 1
+            if indeg[h] == 0:
+                queue.append(h)
+    if len(queue) < n_g:
         raise InputError(f"{where}: the ops' order deadlocks (a cycle through p2p or collective groups)")
-    return level_g[group]
+    return np.asarray(level, np.int64)[group]

@@ -37,6 +37,7 @@ from postmortem.model import Model
 
 _CELL_BUDGET = 24_000_000  # float64 cells per scenario batch of the recording walk
 _ROW_CELLS = 1 << 15  # (scenario, DP rank, step) cells per op row of the live walk
+_WALK_COST_CELLS = 20_000  # one level's fixed cost of a walk, in cells (~100 us / ~5 ns)
 
 @dataclass(frozen=True, kw_only=True)
 class SimResult:
@@ -119,6 +120,15 @@ def _simulate_live(model: Model, ideal: np.ndarray, keep: np.ndarray) -> np.ndar
     by_width: dict[int, list[int]] = {}
     for s, c in enumerate(cols):
         by_width.setdefault(c.size, []).append(s)
+    # a narrower walk saves cells but costs its own pass over the levels: on a small
+    # trace the per-level overhead wins, so its scenarios join the full-width walk
+    for width in [w for w in by_width if w < D]:
+        saved = (D - width) * N * n_t * len(by_width[width])
+        if saved < len(model.levels) * _WALK_COST_CELLS:
+            moved = by_width.pop(width)
+            for s in moved:
+                cols[s] = np.arange(D)
+            by_width.setdefault(D, []).extend(moved)
     for width, members in by_width.items():
         members_a = np.asarray(members)
         per_step = width

@@ -50,9 +50,14 @@ def _scenarios(model, rng):
     return np.stack(masks)
 
 
+@pytest.mark.parametrize("narrow", [True, False])
 @pytest.mark.parametrize("uneven", [False, True])
 @pytest.mark.parametrize("kw", JOBS)
-def test_live_walk_equals_full_walk(kw, uneven):
+def test_live_walk_equals_full_walk(kw, uneven, narrow, monkeypatch):
+    import postmortem.simulate as sim
+
+    # narrow: every scenario that can runs on its real ranks + one stand-in; else all full
+    monkeypatch.setattr(sim, "_WALK_COST_CELLS", 0 if narrow else 10**12)
     trace, _ = generate(SyntheticJob(**kw))
     if uneven:
         trace = _uneven(trace)
@@ -78,6 +83,7 @@ def test_live_walk_with_per_cell_ideal_and_small_chunks(monkeypatch):
     keep = _scenarios(model, rng)
     full = simulate(model, ideal=ideal, keep_real=keep, record=True).step_time
     monkeypatch.setattr(sim, "_ROW_CELLS", 7)  # forces step chunks and one scenario a batch
+    monkeypatch.setattr(sim, "_WALK_COST_CELLS", 0)
     np.testing.assert_array_equal(simulate(model, ideal=ideal, keep_real=keep).step_time, full)
     np.testing.assert_array_equal(simulate(model, ideal=ideal[:, 0, 0], keep_real=keep).step_time,
                                   simulate(model, ideal=ideal[:, 0, 0], keep_real=keep, record=True).step_time)
