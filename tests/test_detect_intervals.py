@@ -120,3 +120,16 @@ def test_call_trace_has_one_op_sequence_per_iteration():
     for i in range(5):
         t = trace.time[owner == i]
         assert truth.iteration_start[i] <= t.min() and t.max() < truth.iteration_start[i + 1]
+
+
+def test_ramp_step_opens_the_interval_and_hysteresis_holds_it():
+    # A verified 10% rise whose regime sits at 1.08 (a ramp's first step), then 1.3,
+    # then 1.07 (still over the 5% hold), then healthy again.
+    x = np.array([1.0] * 10 + [1.08] * 5 + [1.3] * 10 + [1.07] * 5 + [1.0] * 5)
+    rise = ChangePoint(index=10, detected_at=12, before=1.0, after=1.1)
+    cps = [rise, _cp(15), _cp(25), _cp(30)]
+    (interval,) = slow_intervals(x, cps)
+    assert (interval.start_index, interval.end_index) == (10, 30)
+    # Without the verified rise the first step alone is not slow.
+    (later,) = slow_intervals(x, [_cp(10), _cp(15), _cp(25), _cp(30)])
+    assert later.start_index == 15

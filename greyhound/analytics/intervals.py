@@ -36,24 +36,28 @@ def slow_intervals(
 ) -> list[SlowInterval]:
     """Split the series at the change points and mark the regimes slower than healthy.
 
-    The first regime is healthy (there is nothing to compare it with). Each later regime
-    is slow if its median is at least ``min_slowdown`` times the healthy level; a regime
-    that is not slow becomes the new healthy level, so benign shifts (a new data mix,
-    a longer sequence length) move the reference with them. Consecutive slow regimes
-    form one interval.
+    The first regime is healthy (there is nothing to compare it with). A later regime
+    opens a slow interval if its median is ``min_slowdown`` times the healthy level, or
+    if its change point itself was a rise of ``min_slowdown`` and the regime stays
+    half that far above healthy (a fail-slow that ramps in over a first short step, or
+    shares its time with a small benign shift). A slow interval goes on while regimes
+    stay half that far above healthy (hysteresis, so a level hovering at the threshold
+    does not flap). A regime that is not slow becomes the new healthy level, so benign
+    shifts (a new data mix, a longer sequence length) move the reference with them.
 
     Args:
         x: (n,) iteration times, finite and > 0.
         changepoints: change points with 0 < index < n, in increasing index order.
-        min_slowdown: regime median / healthy level that counts as slow (> 1 for
-            "any slowdown" use a value just above 1).
+        min_slowdown: slowdown that counts as slow, > 1 (for "any slowdown" use a
+            value just above 1).
 
     Returns:
         Slow intervals in order.
     """
     x = check_series(x)
-    if not min_slowdown > 0:
-        raise ValueError(f"min_slowdown must be > 0, got {min_slowdown!r}")
+    if not min_slowdown > 1:
+        raise ValueError(f"min_slowdown must be > 1, got {min_slowdown!r}")
+    hold = 1.0 + 0.5 * (min_slowdown - 1.0)
     n = len(x)
     bounds = [0] + [cp.index for cp in changepoints] + [n]
     if any(not a < b for a, b in zip(bounds, bounds[1:])):
@@ -62,16 +66,20 @@ def slow_intervals(
     healthy = float(np.median(x[bounds[0] : bounds[1]])) if n else 1.0
     onset: int | None = None
     onset_healthy = healthy
-    for lo, hi in zip(bounds[1:-1], bounds[2:]):
-        level = float(np.median(x[lo:hi]))
-        if level >= min_slowdown * healthy:
+    for cp, lo, hi in zip(changepoints, bounds[1:-1], bounds[2:]):
+        slowdown = float(np.median(x[lo:hi])) / healthy
+        if onset is None:
+            slow = slowdown >= min_slowdown or (cp.ratio >= min_slowdown and slowdown >= hold)
+        else:
+            slow = slowdown >= hold
+        if slow:
             if onset is None:
                 onset, onset_healthy = lo, healthy
             continue
         if onset is not None:
             out.append(_interval(x, onset, lo, onset_healthy))
             onset = None
-        healthy = level
+        healthy *= slowdown
     if onset is not None:
         out.append(_interval(x, onset, None, onset_healthy))
     return out

@@ -247,6 +247,8 @@ def call_trace(
     gaps = iteration_time * weights / weights.sum()
     factor = np.ones(num_iterations)
     for fs in fail_slows:
+        if not 0 <= fs.onset < fs.end <= num_iterations:
+            raise ValueError(f"fail-slow {fs} must lie within the {num_iterations} iterations")
         ramp = np.ones(fs.end - fs.onset)
         if fs.ramp:
             ramp[: fs.ramp] = np.arange(1, fs.ramp + 1) / fs.ramp
