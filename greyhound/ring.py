@@ -57,6 +57,7 @@ F_LOCAL_COMM = 0x0020
 F_IN_PLACE = 0x0040
 
 HOOK_TRACE = 0x1
+HOOK_TSC = 0x2  # times read from the TSC, fitted to CLOCK_MONOTONIC (set ~1 ms in)
 
 COMM_EMPTY, COMM_LIVE, COMM_DESTROYED = 0, 1, 2
 
@@ -125,7 +126,11 @@ class RingInfo:
     """GREYHOUND_TRACE=on: NCCL ops are device-timed (DONE records)."""
 
     def unix_seconds(self, t_ns: np.ndarray | int) -> np.ndarray | float:
-        """Converts record times (CLOCK_MONOTONIC ns) to Unix seconds."""
+        """Converts record times (CLOCK_MONOTONIC ns) to Unix seconds.
+
+        Uses the offset between the two clocks at ring creation: exact unless
+        the system clock was stepped since.
+        """
         return (np.asarray(t_ns, dtype=np.int64) - self.t0_monotonic_ns
                 + self.t0_realtime_ns) / 1e9
 
@@ -223,6 +228,16 @@ class RingReader:
     def head(self) -> int:
         """Records written so far (including overwritten ones)."""
         return int(self._hdr["head"])
+
+    @property
+    def clock(self) -> str:
+        """Where the hook reads record times now: "tsc" or "monotonic".
+
+        Either way they are CLOCK_MONOTONIC nanoseconds; "tsc" means read from the
+        TSC through a line the hook refits to clock_gettime (within about a
+        microsecond). A ring starts on "monotonic" and switches after ~1 ms.
+        """
+        return "tsc" if int(self._hdr["hook_flags"]) & HOOK_TSC else "monotonic"
 
     @property
     def position(self) -> int:

@@ -116,3 +116,28 @@ def mpirun(np_: int, args: list[str], env: dict[str, str], timeout: float = 60):
 def run(args: list[str], env: dict[str, str], timeout: float = 60, **kw):
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout,
                           check=False, **kw)
+
+
+def ready_ring(run_dir: Path, timeout: float = 60.0) -> Path:
+    """The first ring in run_dir once a reader can open it.
+
+    The hook creates the file, then reserves and maps it, then writes the header;
+    a reader polling the directory can see the file before it is a ring.
+    """
+    import time
+
+    from greyhound.ring import RingError, RingReader, ring_paths
+
+    end = time.monotonic() + timeout
+    while True:
+        paths = ring_paths(run_dir)
+        if paths:
+            try:
+                RingReader(paths[0], publish=False).close()
+                return paths[0]
+            except RingError:
+                pass
+        if time.monotonic() > end:
+            raise AssertionError(f"no ready ring in {run_dir} after {timeout} s")
+        time.sleep(0.005)
+

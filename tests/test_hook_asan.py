@@ -7,7 +7,7 @@ import pytest
 
 from greyhound.ring import F_GATE_TIMEOUT, OP, RingReader, ring_paths
 from hook_support import (PYTHON, ROOT, asan_preload, base_env, hook_lib_asan, mpirun,
-                          nccl_prog, run)
+                          nccl_prog, ready_ring, run)
 
 SAN = {"ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:abort_on_error=0",
        "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
@@ -57,17 +57,13 @@ def test_nccl_double_with_device_timing_under_sanitizers(tmp_path):
 
 def test_overflow_and_gate_timeout_under_sanitizers(tmp_path):
     import subprocess
-    import time
 
     env = san_env(tmp_path, GREYHOUND_RING_RECORDS="16", GREYHOUND_PAUSE_TIMEOUT_S="0.2")
     proc = subprocess.Popen([PYTHON, str(ROOT / "tests" / "hook_progs" / "mpi_loop.py"), "200",
                              "0.001"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not ring_paths(tmp_path) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        with RingReader(ring_paths(tmp_path)[0]) as ring:
+        with RingReader(ready_ring(tmp_path)) as ring:
             ring.pause()
             out, err = proc.communicate(timeout=120)
             counters = ring.counters()

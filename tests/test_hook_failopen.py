@@ -51,6 +51,7 @@ def test_no_run_dir_variable():
     ("GREYHOUND_PAUSE_TIMEOUT_S", "-1"),
     ("GREYHOUND_PAUSE_TIMEOUT_S", "soon"),
     ("GREYHOUND_RING_RECORDS", "1000"),
+    ("GREYHOUND_CLOCK", "fast"),
 ])
 def test_bad_environment_turns_the_hook_off(tmp_path, var, value):
     proc = loop(base_env(tmp_path, hook_lib(), **{var: value}))

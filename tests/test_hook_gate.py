@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from greyhound.ring import F_GATE_TIMEOUT, OP, RingReader, ring_paths
-from hook_support import PYTHON, ROOT, base_env, hook_lib
+from greyhound.ring import F_GATE_TIMEOUT, OP, RingReader
+from hook_support import PYTHON, ROOT, base_env, hook_lib, ready_ring
 
 LOOP = str(ROOT / "tests" / "hook_progs" / "mpi_loop.py")
 
@@ -31,7 +31,7 @@ def start_loop(run_dir, n, nap, **env):
 def test_pause_holds_and_resume_releases(tmp_path):
     proc = start_loop(tmp_path, 400, 0.002)
     try:
-        path = wait_for(lambda: ring_paths(tmp_path) and ring_paths(tmp_path)[0])
+        path = ready_ring(tmp_path)
         with RingReader(path) as ring:
             wait_for(lambda: ring.head > 5)
             ring.pause()
@@ -57,7 +57,7 @@ def test_pause_holds_and_resume_releases(tmp_path):
 def test_gate_timeout_lets_calls_go_and_is_recorded(tmp_path):
     proc = start_loop(tmp_path, 300, 0.002, GREYHOUND_PAUSE_TIMEOUT_S="0.3")
     try:
-        path = wait_for(lambda: ring_paths(tmp_path) and ring_paths(tmp_path)[0])
+        path = ready_ring(tmp_path)
         with RingReader(path) as ring:
             assert ring.info.pause_timeout_s == 0.3
             wait_for(lambda: ring.head > 5)

@@ -29,8 +29,8 @@ import functools
 import inspect
 import itertools
 import os
+import struct
 import sys
-import threading
 import time
 
 # Mirrors enum gh_op / GH_F_* in spank/hook/gh_ring.h (checked by tests/test_hook_layout.py).
@@ -43,6 +43,14 @@ FNV_PRIME = 0x100000001B3
 _MASK64 = (1 << 64) - 1
 
 HOOK_NAME = "libgreyhound_hook.so"
+
+# struct gh_py_packed in spank/hook/pyapi.c: op, flags, peer, 0, comm_id, size_bytes,
+# t_start_ns, t_end_ns, req_id. One packed bytes object crosses ctypes far faster than
+# eight converted arguments (~0.3 us each).
+_REC = struct.Struct("<IIiIQQQQQ")
+
+HOOK = None
+"""The _Hook that patch() installed (scripts/bench_hook wraps a stand-in with it)."""
 
 
 def fnv1a_i32(h: int, values) -> int:
@@ -67,7 +75,7 @@ def _load_hook():
             continue
         try:
             lib = ctypes.CDLL(cand)
-            lib.gh_py_record  # noqa: B018  (raises AttributeError when absent)
+            lib.gh_py_begin  # noqa: B018  (raises AttributeError when absent)
         except (OSError, AttributeError):
             continue
         return lib
@@ -81,8 +89,6 @@ class _Hook:
         self.lib = lib
         lib.gh_py_active.restype = ctypes.c_int
         lib.gh_py_active.argtypes = []
-        lib.gh_py_gate_word.restype = ctypes.c_size_t
-        lib.gh_py_gate_word.argtypes = []
         lib.gh_py_gate.restype = None
         lib.gh_py_gate.argtypes = []
         lib.gh_py_record.restype = ctypes.c_uint64
@@ -91,14 +97,23 @@ class _Hook:
                                      ctypes.c_uint32, ctypes.c_uint64]
         lib.gh_py_comm.restype = None
         lib.gh_py_comm.argtypes = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32]
+        # begin/end never block: called with the GIL held (PyDLL), which is cheaper.
+        # The gate may wait for seconds: gh_py_gate goes through CDLL, which releases it.
+        pylib = ctypes.PyDLL(lib._name)
+        self.begin = pylib.gh_py_begin
+        self.begin.restype = ctypes.c_size_t
+        self.begin.argtypes = []
+        self.end = pylib.gh_py_end
+        self.end.restype = None
+        self.end.argtypes = []
+        self.gate = lib.gh_py_gate
         self.record = lib.gh_py_record
-        self.gate = None          # ctypes view of the gate word, fetched lazily
+        self.stages: dict[int, object] = {}   # staging record address -> writable view
         self.groups: dict[int, tuple] = {}
         self.ordinals: dict[int, int] = {}
         self.req_ids = itertools.count(1)
-        self.tls = threading.local()
         self.c_nccl = self._interposes("ncclAllReduce")
-        self._active = None       # asked on the first call: the ring opens only then
+        self.on = None            # asked on the first call: the ring opens only then
         os.register_at_fork(after_in_child=self._after_fork)
 
     def _interposes(self, name: str) -> bool:
@@ -112,25 +127,19 @@ class _Hook:
 
     def active(self) -> bool:
         """Whether the hook records; the first call opens the ring."""
-        if self._active is None:
-            self._active = bool(self.lib.gh_py_active())
-        return self._active
+        if self.on is None:
+            self.on = bool(self.lib.gh_py_active())
+        return self.on
 
     def _after_fork(self) -> None:
         # The child gets its own ring (the C hook reopens on first use).
-        self.gate = None
         self.groups = {}
-        self._active = None
+        self.on = None
 
-    def check_gate(self) -> None:
-        gate = self.gate
-        if gate is None:
-            addr = self.lib.gh_py_gate_word()
-            if not addr:
-                return
-            gate = self.gate = ctypes.c_uint32.from_address(addr)
-        if gate.value:
-            self.lib.gh_py_gate()  # ctypes releases the GIL while it waits
+    def stage(self, addr: int):
+        """A writable view of a thread's staging record (gh_py_begin's address)."""
+        view = self.stages[addr] = (ctypes.c_char * _REC.size).from_address(addr)
+        return view
 
     def group_info(self, dc10d, group):
         """(comm_id, size, rank, record?) of a process group; derived once."""
@@ -170,13 +179,20 @@ class _Work:
         self._hook = hook
 
     def wait(self, *args, **kwargs):
+        hook = self._hook
+        addr = hook.begin() & ~1  # (completion is not held at the gate)
         t0 = time.monotonic_ns()
         try:
             return self._work.wait(*args, **kwargs)
         finally:
             req, self._req = self._req, 0
-            if req:
-                self._hook.record(OP_WAIT, 0, -1, 0, t0, time.monotonic_ns(), 0, req)
+            if addr:
+                if req:
+                    _pack(_REC.pack_into, hook.stages.get(addr) or hook.stage(addr), OP_WAIT,
+                          0, -1, 0, 0, t0, time.monotonic_ns(), req)
+                hook.end()
+            elif req:
+                hook.record(OP_WAIT, 0, -1, 0, t0, time.monotonic_ns(), 0, req)
 
     def __getattr__(self, name):
         return getattr(self._work, name)
@@ -211,15 +227,30 @@ _SPECS = {
 _ALWAYS_ASYNC = {"isend", "irecv"}
 
 
+def _world_getter(dc10d):
+    """How to find the default group: None when torch's own attribute can be read
+    (two attribute loads), else a function using the public GroupMember.WORLD."""
+    world = getattr(dc10d, "_world", None)
+    if world is not None and hasattr(world, "_default_pg"):
+        return None
+    return lambda: dc10d.GroupMember.WORLD
+
+
 def _wrap(fn, name: str, hook: _Hook, dc10d):
     op, (size_arg,) = _SPECS[name][0], (_SPECS[name][1] or (None,))
     peer_arg = _SPECS[name][2]
     params = list(inspect.signature(fn).parameters)
+    absent = 1 << 30              # an index no call reaches: the argument comes from kwargs
     pos = {p: i for i, p in enumerate(params)}
+    i_size = pos.get(size_arg, absent) if size_arg else absent
+    i_group = pos.get("group", absent)
+    i_async = pos.get("async_op", absent)
     is_list = size_arg in ("input_list", "tensor_list")
     always_async = name in _ALWAYS_ASYNC
-    tls = hook.tls
-    record = hook.record
+    begin, end, pack_into = hook.begin, hook.end, _REC.pack_into
+    stages = hook.stages
+    now = time.monotonic_ns
+    slow_world = _world_getter(dc10d)
 
     def arg(args, kwargs, pname, default=None):
         i = pos.get(pname, -1)
@@ -227,18 +258,45 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
             return args[i]
         return kwargs.get(pname, default)
 
+    # The common path is written out inline, without helper calls: each Python
+    # call costs ~0.1 us on a slow core, and the budget for all of this is 2 us.
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if getattr(tls, "busy", False) or not hook.active():
+        on = hook.on
+        if on is None:
+            on = hook.active()
+        if not on:
             return fn(*args, **kwargs)
         try:
-            group = arg(args, kwargs, "group")
-            comm_id, _size, _rank, skip_all, skip_cuda = hook.group_info(dc10d, group)
-            tensor = arg(args, kwargs, size_arg) if size_arg else None
+            n = len(args)
+            group = args[i_group] if i_group < n else kwargs.get("group")
+            if group is not None:
+                pg = group
+            elif slow_world is None:
+                pg = dc10d._world._default_pg
+            else:
+                pg = slow_world()
+            entry = hook.groups.get(id(pg))
+            if entry is not None and entry[0] is pg:
+                comm_id, _size, _rank, skip_all, skip_cuda = entry[1]
+            else:
+                comm_id, _size, _rank, skip_all, skip_cuda = hook.group_info(dc10d, pg)
+            if size_arg is None:
+                tensor = None
+            else:
+                tensor = args[i_size] if i_size < n else kwargs.get(size_arg)
             if skip_all or (skip_cuda and tensor is not None and not is_list
                             and getattr(tensor, "is_cuda", False)):
                 return fn(*args, **kwargs)
-            nbytes = _list_bytes(tensor) if is_list else (_nbytes(tensor) if tensor is not None else 0)
+            if tensor is None:
+                nbytes = 0
+            elif is_list:
+                nbytes = _list_bytes(tensor)
+            else:
+                try:
+                    nbytes = tensor.nbytes
+                except AttributeError:
+                    nbytes = _nbytes(tensor)
             peer = -1
             if peer_arg:
                 g_peer = arg(args, kwargs, "group_" + peer_arg)
@@ -248,40 +306,58 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
                     p = arg(args, kwargs, peer_arg)
                     if p is not None:
                         peer = p if group is None else dc10d.get_group_rank(group, p)
-            is_async = always_async or bool(arg(args, kwargs, "async_op", False))
-            hook.check_gate()
+            is_async = always_async or bool(args[i_async] if i_async < n
+                                            else kwargs.get("async_op", False))
         except Exception:  # noqa: BLE001  (never let bookkeeping break the call)
             return fn(*args, **kwargs)
-        tls.busy = True
-        t0 = time.monotonic_ns()
+        addr = begin()            # 0: inside another captured call on this thread
+        if not addr:
+            return fn(*args, **kwargs)
         try:
-            result = fn(*args, **kwargs)
-        except BaseException:
-            record(op, comm_id, peer, nbytes, t0, time.monotonic_ns(), F_ERROR, 0)
-            raise
+            if addr & 1:          # the pause gate is set: wait there (GIL released)
+                addr -= 1
+                hook.gate()
+            stage = stages.get(addr) or hook.stage(addr)
+            t0 = now()
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException:
+                _pack(pack_into, stage, op, F_ERROR, peer, comm_id, nbytes, t0, now(), 0)
+                raise
+            t1 = now()
+            if is_async and result is not None:
+                req = next(hook.req_ids)
+                _pack(pack_into, stage, op, F_ASYNC, peer, comm_id, nbytes, t0, t1, req)
+                return _Work(result, req, hook)
+            if name == "recv" and peer == -1 and isinstance(result, int):
+                peer = result  # recv from any source returns the sender
+            try:
+                pack_into(stage, 0, op, 0, peer, 0, comm_id, nbytes, t0, t1, 0)
+            except Exception:  # noqa: BLE001  (a value struct cannot pack: no record)
+                pass
+            return result
         finally:
-            tls.busy = False
-        t1 = time.monotonic_ns()
-        if is_async and result is not None:
-            req = next(hook.req_ids)
-            record(op, comm_id, peer, nbytes, t0, t1, F_ASYNC, req)
-            return _Work(result, req, hook)
-        if name == "recv" and peer == -1 and isinstance(result, int):
-            peer = result  # recv from any source returns the sender
-        record(op, comm_id, peer, nbytes, t0, t1, 0, 0)
-        return result
+            end()                 # writes what was packed, if anything
 
     wrapper.__greyhound_wrapped__ = fn
     return wrapper
 
 
+def _pack(pack_into, stage, op, flags, peer, comm_id, nbytes, t0, t1, req) -> None:
+    """Packs a record into a staging area; a value struct cannot pack loses the record."""
+    try:
+        pack_into(stage, 0, op, flags, peer, 0, comm_id, nbytes, t0, t1, req)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def _wrap_batch(fn, hook: _Hook, dc10d):
-    tls = hook.tls
+    begin, end = hook.begin, hook.end
     record = hook.record
 
     @functools.wraps(fn)
     def wrapper(p2p_op_list):
-        if getattr(tls, "busy", False) or not hook.active():
+        if not hook.active():
             return fn(p2p_op_list)
         try:
             ops = []
@@ -293,16 +369,19 @@ def _wrap_batch(fn, hook: _Hook, dc10d):
                 peer = p.group_peer if getattr(p, "group_peer", None) is not None else p.peer
                 ops.append((OP_SEND if "send" in fname else OP_RECV, comm_id, peer,
                             _nbytes(p.tensor)))
-            hook.check_gate()
         except Exception:  # noqa: BLE001
             return fn(p2p_op_list)
-        tls.busy = True
-        t0 = time.monotonic_ns()
+        addr = begin()            # the isend/irecv torch issues inside are part of this
+        if not addr:
+            return fn(p2p_op_list)
         try:
+            if addr & 1:
+                hook.gate()
+            t0 = time.monotonic_ns()
             works = fn(p2p_op_list)
+            t1 = time.monotonic_ns()
         finally:
-            tls.busy = False
-        t1 = time.monotonic_ns()
+            end()                 # nothing staged: the records are written below
         reqs = []
         for op, comm_id, peer, nbytes in ops:
             reqs.append(next(hook.req_ids))
@@ -324,6 +403,8 @@ def patch(dist) -> bool:
     # The ring is not opened here: a program that imports torch but never
     # communicates gets no file. Whether the hook is on is asked on the first call.
     hook = _Hook(hook_lib)
+    global HOOK
+    HOOK = hook
     dc10d = sys.modules.get("torch.distributed.distributed_c10d")
     if dc10d is None:
         return False

@@ -31,6 +31,15 @@ struct ordinal_slot {
 
 static struct ordinal_slot ordinals[MAP_SLOTS];
 
+uint64_t gh_comm_gen;
+__thread struct gh_comm_last gh_comm_last __attribute__((tls_model("initial-exec")));
+
+/* After a change to the map: every thread's last-used entry is stale. */
+static void bump_gen(void)
+{
+	__atomic_fetch_add(&gh_comm_gen, 1, __ATOMIC_ACQ_REL);
+}
+
 static inline uint32_t slot_of(uint64_t key)
 {
 	key ^= key >> 33;
@@ -60,13 +69,21 @@ static struct slot *find(uint8_t source, uint64_t key)
 	return NULL;
 }
 
-int gh_comm_lookup(uint8_t source, uint64_t handle, struct gh_comm_info *out)
+int gh_comm_lookup_slow(uint8_t source, uint64_t handle, struct gh_comm_info *out)
 {
+	/* The generation before the lookup: a change during it makes the entry stale. */
+	uint64_t gen = __atomic_load_n(&gh_comm_gen, __ATOMIC_ACQUIRE);
 	struct slot *s = find(source, key_of(handle));
+	struct gh_comm_last *c = &gh_comm_last;
 
 	if (!s || !__atomic_load_n(&s->ready, __ATOMIC_ACQUIRE))
 		return 0;
 	*out = s->info;
+	c->handle = handle;
+	c->source = source;
+	c->gen = gen;
+	c->info = *out;
+	c->valid = 1;
 	return 1;
 }
 
@@ -81,6 +98,7 @@ void gh_comm_insert(uint8_t source, uint64_t handle, const struct gh_comm_info *
 		__atomic_store_n(&s->ready, 0, __ATOMIC_RELEASE);
 		s->info = *info;
 		__atomic_store_n(&s->ready, 1, __ATOMIC_RELEASE);
+		bump_gen();
 		return;
 	}
 	for (uint32_t n = 0; n < MAP_SLOTS; n++, i = (i + 1) & (MAP_SLOTS - 1)) {
@@ -94,6 +112,7 @@ void gh_comm_insert(uint8_t source, uint64_t handle, const struct gh_comm_info *
 		map[i].source = source;
 		map[i].info = *info;
 		__atomic_store_n(&map[i].ready, 1, __ATOMIC_RELEASE);
+		bump_gen();
 		return;
 	}
 	/* Full: lookups miss and the caller derives the id again; correct, slower. */
@@ -109,6 +128,7 @@ void gh_comm_remove(uint8_t source, uint64_t handle)
 		return;
 	__atomic_store_n(&s->ready, 0, __ATOMIC_RELEASE);
 	__atomic_store_n(&s->key, KEY_TOMB, __ATOMIC_RELEASE);
+	bump_gen();
 }
 
 uint32_t gh_comm_ordinal(uint8_t source, uint64_t member_hash)

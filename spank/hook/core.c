@@ -98,13 +98,24 @@ static long global_rank(void)
 	return -1;
 }
 
-static int read_config(uint32_t *capacity, uint32_t *hook_flags)
+static int read_config(uint32_t *capacity, uint32_t *hook_flags, int *allow_tsc)
 {
 	const char *v;
 	long n;
 
 	*capacity = GH_RING_DEFAULT_RECORDS;
 	*hook_flags = 0;
+	*allow_tsc = 1;
+
+	v = getenv("GREYHOUND_CLOCK");
+	if (v && *v) {
+		if (strcmp(v, "monotonic") == 0)
+			*allow_tsc = 0;
+		else if (strcmp(v, "auto") != 0) {
+			gh_log_once(GH_P_BAD_ENV, "GREYHOUND_CLOCK=\"%.40s\": expected auto or monotonic; recording off", v);
+			return -1;
+		}
+	}
 
 	v = getenv("GREYHOUND_TRACE");
 	if (v && *v) {
@@ -206,6 +217,8 @@ static void atfork_child(void)
 	gh_hdr = NULL;
 	gh_records = NULL;
 	gh_nccl_atfork_child();
+	gh_py_atfork_child();
+	gh_clock_atfork_child();
 	set_state(GH_UNINIT);
 }
 
@@ -215,6 +228,7 @@ static int open_ring(void)
 	const char *job = getenv("GREYHOUND_JOB_ID");
 	char path[4096];
 	uint32_t capacity, hook_flags;
+	int allow_tsc;
 	size_t bytes;
 	struct gh_ring_header *hdr = MAP_FAILED;
 	struct timespec rt;
@@ -226,7 +240,7 @@ static int open_ring(void)
 		gh_log_once(GH_P_NO_RUN_DIR, "GREYHOUND_RUN_DIR is not set; recording off");
 		goto fail;
 	}
-	if (read_config(&capacity, &hook_flags) < 0)
+	if (read_config(&capacity, &hook_flags, &allow_tsc) < 0)
 		goto fail;
 	rank = global_rank();
 	bytes = GH_RING_HEADER_BYTES + GH_COMM_CAPACITY * sizeof(struct gh_comm_entry) +
@@ -261,8 +275,14 @@ static int open_ring(void)
 	hdr->records_offset = GH_RING_HEADER_BYTES + GH_COMM_CAPACITY * sizeof(struct gh_comm_entry);
 	hdr->rank = (int32_t)rank;
 	hdr->pid = (int32_t)getpid();
+	/*
+	 * GH_HOOK_TSC is added by clock.c once the TSC is fitted (about 1 ms in);
+	 * a forked child inherits its parent's fit.
+	 */
+	if (gh_clock_init(allow_tsc) && __atomic_load_n(&gh_clock.mult, __ATOMIC_RELAXED))
+		hook_flags |= GH_HOOK_TSC;
 	clock_gettime(CLOCK_REALTIME, &rt);
-	hdr->t0_monotonic_ns = gh_now_ns();
+	hdr->t0_monotonic_ns = gh_mono_ns();
 	hdr->t0_realtime_ns = (uint64_t)rt.tv_sec * 1000000000ull + (uint64_t)rt.tv_nsec;
 	hdr->pause_timeout_ns = pause_timeout_ns;
 	hdr->hook_flags = hook_flags;

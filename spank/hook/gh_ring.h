@@ -24,7 +24,9 @@
  * record that was not torn.
  *
  * All fields are little-endian, naturally aligned; times are CLOCK_MONOTONIC
- * nanoseconds (t0_realtime_ns - t0_monotonic_ns converts them to Unix time).
+ * nanoseconds (t0_realtime_ns - t0_monotonic_ns converts them to Unix time),
+ * read through clock_gettime or, with GH_HOOK_TSC in hook_flags, from the TSC
+ * fitted to CLOCK_MONOTONIC (within a microsecond; see clock.c).
  */
 #ifndef GH_RING_H
 #define GH_RING_H
@@ -150,6 +152,7 @@ struct gh_ring_header {
 };
 
 #define GH_HOOK_TRACE 0x1u   /* GREYHOUND_TRACE=on: device timing of NCCL ops */
+#define GH_HOOK_TSC 0x2u     /* times are read from the TSC, fitted to CLOCK_MONOTONIC */
 
 _Static_assert(sizeof(struct gh_record) == 64, "record is one cache line");
 _Static_assert(sizeof(struct gh_comm_entry) == 48, "comm entry size");

@@ -18,6 +18,10 @@
 #include <stdint.h>
 #include <time.h>
 
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#endif
+
 #include "gh_ring.h"
 
 #define GH_EXPORT __attribute__((visibility("default")))
@@ -41,12 +45,70 @@ enum gh_problem {
 void gh_log_once(enum gh_problem problem, const char *fmt, ...)
 	__attribute__((format(printf, 2, 3)));
 
-static inline uint64_t gh_now_ns(void)
+/* CLOCK_MONOTONIC through clock_gettime (vDSO): 45-70 ns in a VM. */
+static inline uint64_t gh_mono_ns(void)
 {
 	struct timespec ts;
 
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/*
+ * The clock of the records (clock.c): CLOCK_MONOTONIC ns, read from the TSC
+ * where that is safe. Parameters behind a sequence counter; refresh_ticks 0
+ * sends every reading to gh_clock_slow (not calibrated yet, or no TSC).
+ */
+enum gh_clock_mode { GH_CLOCK_SYSTEM = 0, GH_CLOCK_TSC = 1 };
+
+struct gh_clock {
+	uint32_t seq;            /* odd while parameters change */
+	uint32_t mode;           /* enum gh_clock_mode */
+	uint64_t tsc0;           /* anchor tick ... */
+	uint64_t ns0;            /* ... and its CLOCK_MONOTONIC ns */
+	uint64_t mult;           /* ns per tick, times 2^32 */
+	uint64_t refresh_ticks;  /* refit when tsc - tsc0 exceeds this */
+};
+
+extern struct gh_clock gh_clock;
+/* Last reading of this thread: readings never go back within a thread. */
+extern __thread uint64_t gh_last_ns __attribute__((tls_model("initial-exec")));
+
+/* allow_tsc 0: GREYHOUND_CLOCK=monotonic. Returns 1 if the TSC will be used. */
+int gh_clock_init(int allow_tsc);
+uint64_t gh_clock_slow(void);
+void gh_clock_atfork_child(void);
+
+static inline uint64_t gh_now_ns(void)
+{
+	uint64_t ns;
+#if defined(__x86_64__)
+	/*
+	 * Plain rdtsc, not lfence+rdtsc: it may run a few dozen cycles early or
+	 * late relative to the call it brackets, far below anything the
+	 * analytics resolve, and the fence would cost as much as it saves.
+	 */
+	uint32_t s = __atomic_load_n(&gh_clock.seq, __ATOMIC_ACQUIRE);
+	uint64_t tsc = __rdtsc();
+	uint64_t tsc0 = __atomic_load_n(&gh_clock.tsc0, __ATOMIC_RELAXED);
+	uint64_t ns0 = __atomic_load_n(&gh_clock.ns0, __ATOMIC_RELAXED);
+	uint64_t mult = __atomic_load_n(&gh_clock.mult, __ATOMIC_RELAXED);
+	uint64_t refresh = __atomic_load_n(&gh_clock.refresh_ticks, __ATOMIC_RELAXED);
+	uint64_t d = tsc - tsc0;
+
+	__atomic_thread_fence(__ATOMIC_ACQUIRE);
+	if (GH_UNLIKELY(d > refresh || (s & 1) ||
+			s != __atomic_load_n(&gh_clock.seq, __ATOMIC_RELAXED)))
+		ns = gh_clock_slow();
+	else
+		ns = ns0 + (uint64_t)(((unsigned __int128)d * mult) >> 32);
+#else
+	ns = gh_mono_ns();
+#endif
+	if (GH_UNLIKELY(ns < gh_last_ns))
+		ns = gh_last_ns;
+	gh_last_ns = ns;
+	return ns;
 }
 
 /* State of the hook in this process. */
@@ -124,6 +186,8 @@ static inline uint64_t gh_record(uint16_t op, uint8_t source, uint32_t flags,
 	r->flags = flags;
 	r->rc = rc;
 	__atomic_store_n(&r->seq, idx + 1, __ATOMIC_RELEASE);
+	/* The next slot was last written a whole ring ago: fetch its line now, not then. */
+	__builtin_prefetch(&gh_records[(idx + 1) & gh_mask], 1, 3);
 	return idx + 1;
 }
 
@@ -145,7 +209,35 @@ struct gh_comm_info {
 	uint32_t num_splits;
 };
 
-int gh_comm_lookup(uint8_t source, uint64_t handle, struct gh_comm_info *out);
+/*
+ * The communicator a thread used last, so that a loop of calls on one
+ * communicator skips the hash lookup. gh_comm_gen changes with every insert
+ * and removal, which invalidates every thread's entry at once.
+ */
+struct gh_comm_last {
+	uint64_t handle;
+	uint64_t gen;
+	uint32_t source;
+	uint32_t valid;
+	struct gh_comm_info info;
+};
+
+extern uint64_t gh_comm_gen;
+extern __thread struct gh_comm_last gh_comm_last __attribute__((tls_model("initial-exec")));
+
+int gh_comm_lookup_slow(uint8_t source, uint64_t handle, struct gh_comm_info *out);
+
+static inline int gh_comm_lookup(uint8_t source, uint64_t handle, struct gh_comm_info *out)
+{
+	const struct gh_comm_last *c = &gh_comm_last;
+
+	if (GH_LIKELY(c->valid && c->handle == handle && c->source == source &&
+		      c->gen == __atomic_load_n(&gh_comm_gen, __ATOMIC_ACQUIRE))) {
+		*out = c->info;
+		return 1;
+	}
+	return gh_comm_lookup_slow(source, handle, out);
+}
 void gh_comm_insert(uint8_t source, uint64_t handle, const struct gh_comm_info *info);
 void gh_comm_remove(uint8_t source, uint64_t handle);
 /* Counts earlier communicators of the same members (to tell duplicates apart). */
@@ -180,11 +272,20 @@ static inline uint64_t gh_fnv1a_i32(uint64_t h, int32_t v)
  * first loaded object other than this one that defines it (a library opened
  * with RTLD_LOCAL, as Python extension modules are). Cached; NULL if none.
  */
-void *gh_resolve(void **cache, const char *name);
+void *gh_resolve_slow(void **cache, const char *name);
+static inline void *gh_resolve(void **cache, const char *name)
+{
+	void *p = __atomic_load_n(cache, __ATOMIC_ACQUIRE);
+
+	if (GH_LIKELY(p != NULL))
+		return p;
+	return gh_resolve_slow(cache, name);
+}
 /* Same search for a symbol the hook only calls (e.g. PMPI_Comm_size). */
 void *gh_lookup_loaded(const char *name);
 
-/* NCCL device timing (nccl.c) is told about fork. */
+/* NCCL device timing (nccl.c) and the Python capture's state (pyapi.c) are told about fork. */
 void gh_nccl_atfork_child(void);
+void gh_py_atfork_child(void);
 
 #endif

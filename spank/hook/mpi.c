@@ -32,6 +32,7 @@ DECLARE_REAL(PMPI_Comm_group);
 DECLARE_REAL(PMPI_Group_translate_ranks);
 DECLARE_REAL(PMPI_Group_free);
 DECLARE_REAL(PMPI_Type_size);
+DECLARE_REAL(PMPI_Type_get_envelope);
 
 static uint64_t handle_of(MPI_Comm comm)
 {
@@ -104,15 +105,13 @@ fail:
 	return rv;
 }
 
-/* What the hook knows about a communicator; derived once, then a lookup. */
-static void comm_info(MPI_Comm comm, struct gh_comm_info *ci)
+/* A communicator seen for the first time: derive its id and describe it. */
+static __attribute__((noinline)) void comm_info_slow(MPI_Comm comm, struct gh_comm_info *ci)
 {
 	__typeof__(&PMPI_Comm_size) comm_size;
 	__typeof__(&PMPI_Comm_rank) comm_rank;
-	uint64_t hash;
+	uint64_t hash, now;
 
-	if (GH_LIKELY(gh_comm_lookup(GH_SRC_MPI, handle_of(comm), ci)))
-		return;
 	comm_size = REAL(PMPI_Comm_size);
 	comm_rank = REAL(PMPI_Comm_rank);
 	ci->size = -1;
@@ -131,16 +130,85 @@ static void comm_info(MPI_Comm comm, struct gh_comm_info *ci)
 	}
 	gh_comm_insert(GH_SRC_MPI, handle_of(comm), ci);
 	gh_comm_publish(ci->comm_id, 0, ci->size, ci->rank, GH_SRC_MPI, -1);
-	gh_record(GH_OP_COMM_INIT, GH_SRC_MPI, ci->flags, gh_now_ns(), gh_now_ns(),
+	now = gh_now_ns(); /* one reading: start == end, never end < start */
+	gh_record(GH_OP_COMM_INIT, GH_SRC_MPI, ci->flags, now, now,
 		  (uint64_t)(ci->size > 0 ? ci->size : 0), ci->comm_id, ci->rank, 0, 0);
 }
 
-static uint64_t type_bytes(MPI_Datatype type, long count)
+/* What the hook knows about a communicator; derived once, then a lookup. */
+static inline void comm_info(MPI_Comm comm, struct gh_comm_info *ci)
+{
+	if (GH_UNLIKELY(!gh_comm_lookup(GH_SRC_MPI, handle_of(comm), ci)))
+		comm_info_slow(comm, ci);
+}
+
+/*
+ * Sizes of predefined datatypes, which live as long as MPI does: a call into
+ * libmpi per record costs more than the rest of the record. A slot is claimed
+ * by CAS on `claim`, filled, then published by storing `key` (release); a
+ * reader trusts a slot whose key is its datatype. Derived types may be freed
+ * and their handles reused, so they are never cached.
+ */
+#define TYPE_SLOTS 64u /* power of two */
+#define TYPE_PROBES 4u
+
+static struct {
+	uint64_t key;
+	uint64_t claim;
+	int size;
+} type_cache[TYPE_SLOTS];
+
+static inline uint32_t type_slot(uint64_t key)
+{
+	return (uint32_t)((key * 0x9e3779b97f4a7c15ull) >> 58) & (TYPE_SLOTS - 1);
+}
+
+static int type_size_slow(MPI_Datatype type, uint64_t key)
 {
 	__typeof__(&PMPI_Type_size) type_size = REAL(PMPI_Type_size);
-	int size = 0;
+	__typeof__(&PMPI_Type_get_envelope) envelope = REAL(PMPI_Type_get_envelope);
+	int size = 0, ni, na, nd, combiner;
 
-	if (count <= 0 || !type_size || type_size(type, &size) != MPI_SUCCESS || size < 0)
+	if (!type_size || type_size(type, &size) != MPI_SUCCESS || size < 0)
+		return -1;
+	if (key == 0 || !envelope || envelope(type, &ni, &na, &nd, &combiner) != MPI_SUCCESS ||
+	    combiner != MPI_COMBINER_NAMED)
+		return size;
+	for (uint32_t n = 0, i = type_slot(key); n < TYPE_PROBES; n++, i = (i + 1) & (TYPE_SLOTS - 1)) {
+		uint64_t free_ = 0;
+
+		if (__atomic_load_n(&type_cache[i].key, __ATOMIC_ACQUIRE) == key)
+			break;
+		if (!__atomic_compare_exchange_n(&type_cache[i].claim, &free_, key, 0,
+						 __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+			continue;
+		type_cache[i].size = size;
+		__atomic_store_n(&type_cache[i].key, key, __ATOMIC_RELEASE);
+		break;
+	}
+	return size;
+}
+
+static inline uint64_t type_bytes(MPI_Datatype type, long count)
+{
+	uint64_t key = (uint64_t)(uintptr_t)type;
+	int size = -1;
+
+	if (count <= 0)
+		return 0;
+	for (uint32_t n = 0, i = type_slot(key); n < TYPE_PROBES; n++, i = (i + 1) & (TYPE_SLOTS - 1)) {
+		uint64_t k = __atomic_load_n(&type_cache[i].key, __ATOMIC_ACQUIRE);
+
+		if (GH_LIKELY(k == key && key != 0)) {
+			size = type_cache[i].size;
+			break;
+		}
+		if (k == 0)
+			break;
+	}
+	if (size < 0)
+		size = type_size_slow(type, key);
+	if (size < 0)
 		return 0;
 	return (uint64_t)count * (uint64_t)size;
 }
@@ -565,7 +633,7 @@ GH_EXPORT int MPI_Comm_free(MPI_Comm *comm)
 {
 	__typeof__(&MPI_Comm_free) real = REAL(MPI_Comm_free);
 	struct gh_comm_info ci;
-	uint64_t handle;
+	uint64_t handle, now;
 	int known, rc;
 
 	if (GH_UNLIKELY(!real))
@@ -579,7 +647,8 @@ GH_EXPORT int MPI_Comm_free(MPI_Comm *comm)
 		/* The handle may be reused for another communicator: forget it. */
 		gh_comm_remove(GH_SRC_MPI, handle);
 		gh_comm_retire(ci.comm_id);
-		gh_record(GH_OP_COMM_DESTROY, GH_SRC_MPI, ci.flags, gh_now_ns(), gh_now_ns(), 0,
+		now = gh_now_ns(); /* one reading: start == end, never end < start */
+		gh_record(GH_OP_COMM_DESTROY, GH_SRC_MPI, ci.flags, now, now, 0,
 			  ci.comm_id, ci.rank, 0, rc);
 	}
 	gh_leave();

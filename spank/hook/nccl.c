@@ -383,6 +383,7 @@ static ncclResult_t comm_end(void **cache, const char *name, ncclComm_t comm)
 	ncclResult_t (*real)(ncclComm_t) = (ncclResult_t(*)(ncclComm_t))gh_resolve(cache, name);
 	struct gh_comm_info ci;
 	ncclResult_t rc;
+	uint64_t now;
 	int known;
 
 	if (GH_UNLIKELY(!real))
@@ -394,7 +395,8 @@ static ncclResult_t comm_end(void **cache, const char *name, ncclComm_t comm)
 	if (known) {
 		gh_comm_remove(GH_SRC_NCCL, (uint64_t)(uintptr_t)comm);
 		gh_comm_retire(ci.comm_id);
-		gh_record(GH_OP_COMM_DESTROY, GH_SRC_NCCL, ci.flags, gh_now_ns(), gh_now_ns(), 0,
+		now = gh_now_ns(); /* one reading: start == end, never end < start */
+		gh_record(GH_OP_COMM_DESTROY, GH_SRC_NCCL, ci.flags, now, now, 0,
 			  ci.comm_id, ci.rank, 0, rc);
 	}
 	gh_leave();

@@ -62,13 +62,11 @@ void *gh_lookup_loaded(const char *name)
 	return NULL;
 }
 
-void *gh_resolve(void **cache, const char *name)
+/* The cached case is inline in hook.h: one load per call. */
+void *gh_resolve_slow(void **cache, const char *name)
 {
-	void *p = __atomic_load_n(cache, __ATOMIC_ACQUIRE);
+	void *p = gh_lookup_loaded(name);
 
-	if (GH_LIKELY(p != NULL))
-		return p;
-	p = gh_lookup_loaded(name);
 	if (!p) {
 		gh_log_once(GH_P_RESOLVE, "%s: no library in this process defines it", name);
 		return NULL;

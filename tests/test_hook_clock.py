@@ -1,0 +1,97 @@
+"""The hook's timestamps: CLOCK_MONOTONIC ns whether read from the TSC or clock_gettime.
+
+tests/hook_progs/mpi_clock.c brackets each MPI_Allreduce with clock_gettime readings;
+every record the hook wrote for it must lie inside its bracket (give or take the
+tolerance of the TSC line), convert to the bracket's CLOCK_REALTIME, never go back
+on a rank, and overlap the same collective on the other rank.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from greyhound.ring import HOOK_TSC, OP, RingReader
+from hook_support import ROOT, base_env, build_dir, hook_lib, mpirun
+
+TOL_NS = 10_000           # the TSC line is within ~100 ns here; 10 us leaves room for load
+CALLS, NAP_EVERY, NAP_US = 3000, 20, 5000   # ~1.5 s: the line is refitted ~10 times
+
+
+def tsc_expected() -> bool | None:
+    """Whether the hook should use the TSC here; None when it cannot be told from Python."""
+    if platform.machine() != "x86_64":
+        return False
+    try:
+        source = Path("/sys/devices/system/clocksource/clocksource0/current_clocksource"
+                      ).read_text().strip()
+    except OSError:
+        return None
+    if source != "tsc":
+        return False
+    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("flags")), "").split()
+    return True if {"constant_tsc", "nonstop_tsc"} <= set(flags) else None
+
+
+@pytest.fixture(scope="module")
+def clock_prog() -> Path:
+    if shutil.which("mpicc") is None:
+        pytest.skip("mpicc (Open MPI) is not installed")
+    exe = build_dir() / "mpi_clock"
+    subprocess.run(["mpicc", "-O1", "-g", "-o", str(exe),
+                    str(ROOT / "tests" / "hook_progs" / "mpi_clock.c")], check=True)
+    return exe
+
+
+@pytest.mark.parametrize("clock", ["auto", "monotonic"])
+def test_timestamps_follow_the_system_clocks(tmp_path, clock_prog, clock):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = base_env(run_dir, hook_lib(), GREYHOUND_CLOCK=clock)
+    proc = mpirun(2, ["sh", "-c", f'exec {clock_prog} {tmp_path}/rows.$OMPI_COMM_WORLD_RANK '
+                      f'{CALLS} {NAP_EVERY} {NAP_US}'], env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    starts, ends = [], []
+    for rank in (0, 1):
+        rows = np.loadtxt(tmp_path / f"rows.{rank}", dtype=np.int64)
+        with RingReader(run_dir / f"ring.{rank}", publish=False) as ring:
+            recs = ring.read().records
+            info, used = ring.info, ring.clock
+        if clock == "monotonic":
+            assert used == "monotonic"
+        elif tsc_expected() is not None:
+            assert used == ("tsc" if tsc_expected() else "monotonic")
+        calls = recs[recs["op"] == OP["AllReduce"]]
+        assert len(calls) == CALLS
+        t0 = calls["t_start_ns"].astype(np.int64)
+        t1 = calls["t_end_ns"].astype(np.int64)
+        # Inside the CLOCK_MONOTONIC bracket of the call.
+        assert np.all(t0 >= rows[:, 0] - TOL_NS), np.min(t0 - rows[:, 0])
+        assert np.all(t1 <= rows[:, 1] + TOL_NS), np.max(t1 - rows[:, 1])
+        # Converted with the header's epoch, inside the CLOCK_REALTIME bracket.
+        real0 = np.round(np.asarray(info.unix_seconds(t0)) * 1e9).astype(np.int64)
+        real1 = np.round(np.asarray(info.unix_seconds(t1)) * 1e9).astype(np.int64)
+        assert np.all(real0 >= rows[:, 2] - TOL_NS), np.min(real0 - rows[:, 2])
+        assert np.all(real1 <= rows[:, 3] + TOL_NS), np.max(real1 - rows[:, 3])
+        # Never back on a rank: each call starts after the previous one ended (in
+        # seq order), and no record (CommInit, written at first use, included)
+        # ends before it starts.
+        assert np.all(np.diff(np.stack([t0, t1], 1).ravel()) >= 0)
+        assert np.all(recs["t_end_ns"] >= recs["t_start_ns"])
+        starts.append(t0)
+        ends.append(t1)
+    # One host, one clock: an allreduce cannot end on one rank before it began on the other.
+    assert np.all(ends[0] >= starts[1] - TOL_NS)
+    assert np.all(ends[1] >= starts[0] - TOL_NS)
+
+
+def test_ring_flag_constant_matches_the_header():
+    text = (ROOT / "spank" / "hook" / "gh_ring.h").read_text()
+    assert f"#define GH_HOOK_TSC 0x{HOOK_TSC:x}u" in text
