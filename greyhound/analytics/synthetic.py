@@ -221,8 +221,8 @@ def call_trace(
     ``eval_every``, every such iteration ends with an extra Barrier + AllReduce (an
     evaluation step), which breaks the period once.
 
-    Compute between calls has log-normal jitter; a fail-slow multiplies every gap of
-    its iterations; a garbage-collection pause hits every 50th iteration.
+    Compute between calls has log-normal jitter, per call and per iteration; a
+    fail-slow multiplies every gap of its iterations; a garbage-collection pause hits every 50th iteration.
 
     Returns:
         (trace, truth).
@@ -266,7 +266,9 @@ def call_trace(
     starts = np.empty(num_iterations + 1)
     for i in range(num_iterations):
         starts[i] = t
-        noise = np.exp(rng.normal(0.0, jitter, period + 1)) * factor[i]
+        # Per-call compute jitter, and one factor for the whole iteration (its
+        # sequence lengths).
+        noise = np.exp(rng.normal(0.0, jitter, period + 1) + rng.normal(0.0, jitter)) * factor[i]
         if i % 50 == 49:
             noise[int(rng.integers(0, period + 1))] += 0.3 * period
         for j, (op, comm, size) in enumerate(pattern):
