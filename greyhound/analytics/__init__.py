@@ -5,6 +5,7 @@
 - :mod:`.bocd`: Bayesian online change-point detection on log iteration times.
 - :mod:`.verify`: BOCD+V, a BOCD change point counts only if the level moved >= 10%.
 - :mod:`.baselines`: the paper's two baselines (sliding-window median, plain BOCD).
+- :mod:`.changepoint`: what every detector reports, and the recent values it reads.
 - :mod:`.intervals`: slow intervals (onset, recovery, severity) from change points.
 - :mod:`.detect`: the whole pipeline as one call, as ``greyhound detect`` runs it.
 - :mod:`.synthetic`: seeded generators of labelled series and call traces.

@@ -85,7 +85,7 @@ def call_tokens(
         # Mixed-radix key of per-column codes; re-factorised after each column so it
         # never overflows int64.
         key = key * len(values) + codes.reshape(-1)
-        uniq, key = np.unique(key, return_inverse=True)
+        _, key = np.unique(key, return_inverse=True)
         key = key.reshape(-1).astype(np.int64)
     num_tokens = int(key.max()) + 1 if len(key) else 0
     return key, num_tokens

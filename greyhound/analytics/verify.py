@@ -15,16 +15,16 @@ How a candidate is decided, online:
 3. From ``min_after`` iterations after its start on, the iterations since the start
    are compared with the median of up to ``before_window`` iterations before it
    (within the current regime; if an earlier candidate of the last ``before_window``
-   iterations was judged and rejected, before that one). If a strict majority of them is >= ``min_change``
-   slower (or faster), the change point is accepted and reported now
-   (``detected_at``); after ``max_pending`` iterations without that, it is rejected.
-
+   iterations was judged and rejected, before that one). If a strict majority of
+   them is >= ``min_change`` slower (or faster), the change point is accepted and
+   reported now (``detected_at``); after ``max_pending`` iterations without that, it
+   is rejected.
 4. A fail-slow that creeps in as a ramp leaves BOCD sure that the regime changed but
    unsure where. While no candidate is pending and BOCD puts ``threshold`` of its mass
-   on a start after the regime's, a strict majority of the last ``creep_window``
-   iterations is compared with the median of the ``before_window`` iterations that
-   ended ``before_window`` iterations ago; the change point is BOCD's most probable
-   start.
+   on a start after the regime's, every ``creep_every`` iterations a strict majority
+   of the last ``creep_window`` iterations is compared with the median of the
+   ``before_window`` iterations that ended ``before_window`` iterations ago; the
+   change point is BOCD's most probable start after that reference.
 
 Where this departs from the paper: medians instead of means (see
 :func:`~greyhound.analytics.changepoint.level_ratio`), and "before" is the regime
