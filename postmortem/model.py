@@ -69,11 +69,11 @@ class Level:
     # groups of k > 1 members, as k adjacent blocks of n ops starting at a: block j holds
     # member j of each of the n groups, so a group max is a max of k slices
     group_blocks: tuple[tuple[int, int, int], ...] = ()  # (a, n, k) per group size k
-    # the live-buffer walk (simulate.py): rows of a buffer that holds each op's end only
-    # until its last successor has read it; row Model.buffer_rows is the step's start (0)
+    # the live-buffer walk (simulate.py): a buffer holds each op's end only until its
+    # last successor has read it; a level writes its ends to the contiguous rows
+    # block .. block + n_l - 1, and row Model.buffer_rows is the step's start (always 0)
     read: np.ndarray | None = None  # (n_l, k) buffer rows of ``pred``
-    store: np.ndarray | None = None  # level-local ops whose end is kept, None = all
-    store_slots: np.ndarray | None = None  # (len(store),) their buffer rows
+    block: int = 0
     sinks: np.ndarray | None = None  # level-local ops with no successor (they end the step)
 
 
@@ -463,14 +463,14 @@ def _levels(pred: np.ndarray, group: np.ndarray, spans: np.ndarray, *, where: st
     rows, cols = np.nonzero(pred != n_t)
     last_use = np.full(n_t, -1, np.int64)
     np.maximum.at(last_use, pred[rows, cols], level_no[rows])
-    slot_of, n_slots = _assign_slots(order, level_no, last_use, len(lstart))
+    slot_of, block, n_slots = _assign_blocks(order, level_no, last_use, lstart, lend)
     slot_of = np.r_[slot_of, n_slots]  # the step's start: the buffer's last (all-zero) row
 
     n_pred = (pred != n_t).sum(axis=1)[order]
     k_level = np.maximum(np.maximum.reduceat(n_pred, lstart), 1)
     pred_s = pred[order]
     read_s = slot_of[pred_s]
-    stored_s = last_use[order] >= 0
+    sink_s = last_use[order] < 0
     span_s = spans[order]
     size_s = size[order]
     seg = np.flatnonzero(new_level | np.r_[True, size_s[1:] != size_s[:-1]])
@@ -485,9 +485,8 @@ def _levels(pred: np.ndarray, group: np.ndarray, spans: np.ndarray, *, where: st
     out = []
     for i, (a, b) in enumerate(zip(lstart.tolist(), lend.tolist())):
         k = int(k_level[i])
-        st = stored_s[a:b]
         sp = np.flatnonzero(span_s[a:b])
-        sinks = np.flatnonzero(~st)
+        sinks = np.flatnonzero(sink_s[a:b])
         out.append(
             Level(
                 ops=order[a:b],
@@ -495,38 +494,46 @@ def _levels(pred: np.ndarray, group: np.ndarray, spans: np.ndarray, *, where: st
                 spans=sp if sp.size else None,
                 group_blocks=tuple(blocks[i]),
                 read=read_s[a:b, :k],
-                store=None if st.all() else np.flatnonzero(st),
-                store_slots=slot_of[order[a:b][st]],
+                block=int(block[i]),
                 sinks=sinks if sinks.size else None,
             )
         )
     return tuple(out), n_slots
 
 
-def _assign_slots(order, level_no, last_use, n_levels: int) -> tuple[np.ndarray, int]:
-    """Buffer row of every op that something waits on (-1 for sinks), reusing the rows of
-    ops whose last reader has run: greedy colouring of the lifetime intervals."""
-    n_t = order.size
-    # ops freed after each level's reads, and ops stored by each level, in walk order
-    stored = order[last_use[order] >= 0]
-    store_by_level = np.split(stored, np.searchsorted(level_no[stored], np.arange(1, n_levels)))
-    dying = np.flatnonzero(last_use >= 0)
-    dying = dying[np.argsort(last_use[dying], kind="stable")]
-    die_by_level = np.split(dying, np.searchsorted(last_use[dying], np.arange(1, n_levels)))
-    slot = [-1] * n_t
-    free: list[int] = []
-    n_slots = 0
-    for born, dead in zip(store_by_level, die_by_level):
-        # an op read for the last time at this level frees its row for this level's
-        # writes: the walk reads every pred before it writes the level's ends
-        free.extend(slot[u] for u in dead.tolist())
-        for u in born.tolist():
-            if free:
-                slot[u] = free.pop()
-            else:
-                slot[u] = n_slots
-                n_slots += 1
-    return np.asarray(slot, np.int64), n_slots
+def _assign_blocks(order, level_no, last_use, lstart, lend) -> tuple[np.ndarray, np.ndarray, int]:
+    """Buffer rows for the walk: each level's ends go to one contiguous block (so they
+    are written in place, not scattered), and a row is reused once its op is dead.
+
+    An op's row is free for the block of level L when L >= its last reader's level (the
+    walk reads all of a level's preds before it writes the level) or, for a sink, when
+    L is past its own level.  First fit over the free rows.  Returns (row per op,
+    first row of each level's block, buffer rows).
+    """
+    n_t, n_levels = order.size, lstart.size
+    avail = np.where(last_use >= 0, last_use, level_no + 1)
+    by_avail = np.argsort(avail, kind="stable")
+    released = np.split(by_avail, np.searchsorted(avail[by_avail], np.arange(1, n_levels + 1)))
+    slot = np.full(n_t, -1, np.int64)
+    block = np.empty(n_levels, np.int64)
+    used = np.zeros(0, bool)
+    for i in range(n_levels):
+        if released[i].size:
+            used[slot[released[i]]] = False
+        n = int(lend[i] - lstart[i])
+        free = ~used
+        cs = np.concatenate([[0], np.cumsum(free)])
+        fits = np.flatnonzero(cs[n:] - cs[:-n] == n) if used.size >= n else np.zeros(0, np.int64)
+        if fits.size:
+            at = int(fits[0])
+        else:  # append, reusing a free tail
+            busy = np.flatnonzero(used)
+            at = int(busy[-1]) + 1 if busy.size else 0
+            used = np.concatenate([used, np.zeros(max(0, at + n - used.size), bool)])
+        used[at : at + n] = True
+        slot[order[lstart[i] : lend[i]]] = np.arange(at, at + n)
+        block[i] = at
+    return slot, block, int(used.size)
 
 
 def _group_levels(pred: np.ndarray, group: np.ndarray, *, where: str) -> np.ndarray:

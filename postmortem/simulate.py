@@ -17,7 +17,8 @@ How the walk stays small (the same numbers, bit for bit, as a walk that keeps ev
 op's end; ``tests/test_postmortem_simulate.py`` checks it against that walk):
 
 * a live buffer: an op's end is kept only until the last op that waits on it has read
-  it (``Level.read`` / ``Level.store_slots``), so memory is O(live ops), not O(ops);
+  it (``Level.read``; each level writes its ends in place to one block of rows,
+  ``Level.block``), so memory is O(live ops), not O(ops);
 * the step time is the max over sinks (ops nothing waits on): every other op has a
   successor that ends no earlier, since work >= 0;
 * steps are independent (each starts at 0), so they are chunked freely to bound memory;
@@ -182,13 +183,12 @@ def _walk_live(model: Model, ideal: np.ndarray, keep: np.ndarray, cols: np.ndarr
             g[lv.spans] = g[lv.spans].max(axis=2, keepdims=True)
         _group_max(g, lv)
         real = transfer[ops][:, None] if identity else transfer[ops][:, cols]  # (n_l, 1|S, W, Nb)
-        end = g + ideal_c[ops]
+        end = buf[lv.block : lv.block + ops.size]  # written in place
+        np.add(g, ideal_c[ops], out=end)
         np.add(g, real, out=end, where=keep_c[ops])
         if lv.sinks is not None:
             sink_end = end if lv.sinks.size == ops.size else end[lv.sinks]
             np.maximum(step_time, sink_end.max(axis=(0, 2)), out=step_time)
-        if lv.store_slots.size:
-            buf[lv.store_slots] = end if lv.store is None else end[lv.store]
     return step_time
 
 
