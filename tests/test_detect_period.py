@@ -66,8 +66,16 @@ def test_tensor_parallel_burst_does_not_win_at_lag_one():
 
 
 def test_many_microbatches_do_not_win_over_the_iteration():
-    pattern = [1, 2] * 128 + [3, 4]
+    # 32 micro-batches of Send/Recv, then the DP ReduceScatter/AllGather.
+    pattern = [1, 2] * 32 + [3, 4]
     assert find_period(np.array(pattern * 6), 5) == len(pattern)
+
+
+def test_a_rare_evaluation_step_does_not_stretch_the_period():
+    # Every 50th iteration (of 20 calls) ends with an extra Barrier + AllReduce.
+    iteration = [0, 1, 2, 0, 3, 1, 1, 2, 0, 0, 3, 2, 1, 0, 2, 3, 3, 0, 1, 2]
+    tokens = np.array((iteration * 50 + [4, 0]) * 3)
+    assert find_period(tokens, 5) == len(iteration)
 
 
 def test_aperiodic_sequence_has_no_period():

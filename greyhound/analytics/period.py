@@ -13,9 +13,11 @@ Where this departs from the paper, and why:
   symbols agree, corrected for the agreement expected by chance. A plain match rate
   reaches 0.95 at lag 1 inside a tensor-parallel burst (dozens of identical AllReduce
   calls per layer); the chance correction pulls such lags far below the threshold.
-- The period is the smallest lag whose ACF reaches the threshold *and* comes within
-  ``tolerance`` of the best lag's ACF, so a sub-pattern that repeats almost everywhere
-  (e.g. 128 pipeline micro-batches of Send/Recv) does not win over the true period.
+- The rule stays the paper's (smallest lag reaching the threshold). It cannot tell a
+  motif repeated almost everywhere inside an iteration (more than ~64 pipeline
+  micro-batches of identical Send/Recv) from iterations with a rare extra call (an
+  evaluation step every 50 iterations): both look like a short lag at ~0.97 and a long
+  one at 1.0. Picking the short lag is right for the second, far more common case.
 - Warm-up calls (parameter broadcasts, barriers) are not periodic: the ACF is computed
   over the trailing ``window`` calls (then over shorter tails while no lag qualifies,
   so that a short trace's warm-up falls out too) and iteration times start at the
@@ -143,16 +145,14 @@ def find_period(
     num_tokens: int,
     *,
     threshold: float = 0.95,
-    tolerance: float = 0.02,
     max_period: int | None = None,
 ) -> int | None:
-    """The smallest lag whose ACF reaches ``threshold`` and the best ACF less ``tolerance``.
+    """The smallest lag whose ACF reaches ``threshold``.
 
     Args:
         tokens: (n,) int symbols in [0, num_tokens).
         num_tokens: number of distinct symbols.
         threshold: ACF a lag needs (the paper's M = 0.95).
-        tolerance: how far below the best lag's ACF the chosen lag may be.
         max_period: largest period considered; default n // 2 (two repetitions).
 
     Returns:
@@ -160,15 +160,12 @@ def find_period(
     """
     if not 0.0 < threshold <= 1.0:
         raise ValueError(f"threshold must be in (0, 1], got {threshold}")
-    if tolerance < 0.0:
-        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
     n = len(tokens)
     limit = n // 2 if max_period is None else min(max_period, n - 1)
     if limit < 1:
         return None
     kappa = lag_agreement(tokens, num_tokens, max_lag=limit)[1:]
-    floor = max(threshold, float(kappa.max()) - tolerance)
-    qualifying = np.flatnonzero(kappa >= floor - 1e-12)
+    qualifying = np.flatnonzero(kappa >= threshold - 1e-12)
     return int(qualifying[0]) + 1 if len(qualifying) else None
 
 
@@ -179,7 +176,6 @@ def iteration_times_from_calls(
     t_start: np.ndarray,
     *,
     threshold: float = 0.95,
-    tolerance: float = 0.02,
     window: int = 1 << 16,
     max_period: int | None = None,
     period: int | None = None,
@@ -197,7 +193,7 @@ def iteration_times_from_calls(
         comm: (n,) communicator ids.
         nbytes: (n,) bytes per call.
         t_start: (n,) float call start times in seconds, non-decreasing.
-        threshold, tolerance, max_period: see :func:`find_period`.
+        threshold, max_period: see :func:`find_period`.
         window: the period is found on the trailing ``window`` calls (warm-up calls
             at the start of a trace fall out of it).
         period: a known period (e.g. from an earlier window): skips the search.
@@ -221,7 +217,7 @@ def iteration_times_from_calls(
         for use_bytes in (True, False):
             period = _search_period(
                 op, comm, nbytes if use_bytes else None, window=window,
-                threshold=threshold, tolerance=tolerance, max_period=max_period,
+                threshold=threshold, max_period=max_period,
             )
             if period is not None:
                 break
@@ -285,7 +281,6 @@ def _search_period(
     *,
     window: int,
     threshold: float,
-    tolerance: float,
     max_period: int | None,
 ) -> int | None:
     """find_period on the trailing window; if none, on shorter and shorter tails.
@@ -312,9 +307,7 @@ def _search_period(
         limit = max_period if k == 0 else min(max_period or size, size // 3)
         if limit is not None and limit < 1:
             continue
-        period = find_period(
-            tokens, num_tokens, threshold=threshold, tolerance=tolerance, max_period=limit
-        )
+        period = find_period(tokens, num_tokens, threshold=threshold, max_period=limit)
         if period is not None:
             return period
     return None
