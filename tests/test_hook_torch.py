@@ -6,6 +6,7 @@ import json
 import socket
 import subprocess
 
+import numpy as np
 import pytest
 
 from greyhound.capture._greyhound_capture import FNV_OFFSET, fnv1a_i32
@@ -116,3 +117,35 @@ def test_chains_the_sitecustomize_it_shadows(tmp_path):
                 "sitecustomize.__file__)"], env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"ran {CAPTURE / 'sitecustomize.py'}\n"
+
+
+def test_pause_gate_holds_captured_calls(tmp_path):
+    # The capture obeys the same gate as the C hook: set, the next all_reduce waits.
+    import time
+
+    from hook_support import ready_ring
+
+    proc = subprocess.Popen([PYTHON, str(ROOT / "tests" / "hook_progs" / "torch_loop.py"),
+                             "300", "0.002", str(free_port())],
+                            env=base_env(tmp_path, hook_lib(), PYTHONPATH=str(CAPTURE)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with RingReader(ready_ring(tmp_path)) as ring:
+            deadline = time.monotonic() + 60
+            while ring.head < 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ring.pause()
+            while ring.parked != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            held = ring.head
+            time.sleep(0.3)
+            assert ring.parked == 1 and ring.head == held      # nothing went through
+            ring.resume()
+            out, err = proc.communicate(timeout=60)
+            recs = ring.read().records
+    finally:
+        proc.kill()
+    assert (proc.returncode, out, err) == (0, "300\n", "")
+    assert np.count_nonzero(recs["op"] == OP["AllReduce"]) == 300
+    pauses = recs[recs["op"] == OP["Pause"]]
+    assert len(pauses) == 1 and (pauses[0]["t_end_ns"] - pauses[0]["t_start_ns"]) >= 0.3e9

@@ -44,10 +44,16 @@ _MASK64 = (1 << 64) - 1
 
 HOOK_NAME = "libgreyhound_hook.so"
 
-# struct gh_py_packed in spank/hook/pyapi.c: op, flags, peer, 0, comm_id, size_bytes,
-# t_start_ns, t_end_ns, req_id. One packed bytes object crosses ctypes far faster than
-# eight converted arguments (~0.3 us each).
-_REC = struct.Struct("<IIiIQQQQQ")
+# struct gh_py_packed in spank/hook/pyapi.c, a per-thread staging record: op, flags,
+# peer, 0, comm_id, size_bytes (_HEAD, at 0), t_start_ns, t_end_ns (taken by the hook's
+# gh_py_begin and gh_py_end), req_id (_REQ, at 48). Packing into it and making two
+# argument-free ctypes calls is far cheaper than one call with eight converted
+# arguments (~0.3 us each).
+_STAGE_BYTES = 56
+_HEAD = struct.Struct("<IIiIQQ")
+_REQ = struct.Struct("<Q")
+_REQ_AT = 48
+_NO_OP = bytes(4)
 
 HOOK = None
 """The _Hook that patch() installed (scripts/bench_hook wraps a stand-in with it)."""
@@ -110,6 +116,7 @@ class _Hook:
         self.record = lib.gh_py_record
         self.stages: dict[int, object] = {}   # staging record address -> writable view
         self.groups: dict[int, tuple] = {}
+        self.last = (None, None)  # (group, info) of the last call: most calls use one group
         self.ordinals: dict[int, int] = {}
         self.req_ids = itertools.count(1)
         self.c_nccl = self._interposes("ncclAllReduce")
@@ -134,11 +141,12 @@ class _Hook:
     def _after_fork(self) -> None:
         # The child gets its own ring (the C hook reopens on first use).
         self.groups = {}
+        self.last = (None, None)
         self.on = None
 
     def stage(self, addr: int):
         """A writable view of a thread's staging record (gh_py_begin's address)."""
-        view = self.stages[addr] = (ctypes.c_char * _REC.size).from_address(addr)
+        view = self.stages[addr] = (ctypes.c_char * _STAGE_BYTES).from_address(addr)
         return view
 
     def group_info(self, dc10d, group):
@@ -181,17 +189,17 @@ class _Work:
     def wait(self, *args, **kwargs):
         hook = self._hook
         addr = hook.begin() & ~1  # (completion is not held at the gate)
-        t0 = time.monotonic_ns()
+        t0 = 0 if addr else time.monotonic_ns()
         try:
             return self._work.wait(*args, **kwargs)
         finally:
             req, self._req = self._req, 0
             if addr:
                 if req:
-                    _pack(_REC.pack_into, hook.stages.get(addr) or hook.stage(addr), OP_WAIT,
-                          0, -1, 0, 0, t0, time.monotonic_ns(), req)
+                    stage = hook.stages.get(addr) or hook.stage(addr)
+                    _stage(stage, OP_WAIT, 0, -1, 0, 0, req)
                 hook.end()
-            elif req:
+            elif req:  # inside another captured call: the slow way
                 hook.record(OP_WAIT, 0, -1, 0, t0, time.monotonic_ns(), 0, req)
 
     def __getattr__(self, name):
@@ -247,9 +255,8 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
     i_async = pos.get("async_op", absent)
     is_list = size_arg in ("input_list", "tensor_list")
     always_async = name in _ALWAYS_ASYNC
-    begin, end, pack_into = hook.begin, hook.end, _REC.pack_into
+    begin, end, head = hook.begin, hook.end, _HEAD.pack_into
     stages = hook.stages
-    now = time.monotonic_ns
     slow_world = _world_getter(dc10d)
 
     def arg(args, kwargs, pname, default=None):
@@ -259,7 +266,9 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
         return kwargs.get(pname, default)
 
     # The common path is written out inline, without helper calls: each Python
-    # call costs ~0.1 us on a slow core, and the budget for all of this is 2 us.
+    # call costs ~0.1 us on a slow core (several times more on the cold caches
+    # a blocking torch call leaves), and the budget for all of this is 2 us.
+    # The record is staged before the call, so after it only gh_py_end runs.
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         on = hook.on
@@ -276,11 +285,13 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
                 pg = dc10d._world._default_pg
             else:
                 pg = slow_world()
-            entry = hook.groups.get(id(pg))
-            if entry is not None and entry[0] is pg:
-                comm_id, _size, _rank, skip_all, skip_cuda = entry[1]
+            last = hook.last
+            if last[0] is pg and pg is not None:
+                info = last[1]
             else:
-                comm_id, _size, _rank, skip_all, skip_cuda = hook.group_info(dc10d, pg)
+                info = hook.group_info(dc10d, pg)
+                hook.last = (pg, info)
+            comm_id, _size, _rank, skip_all, skip_cuda = info
             if size_arg is None:
                 tensor = None
             else:
@@ -318,37 +329,38 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
                 addr -= 1
                 hook.gate()
             stage = stages.get(addr) or hook.stage(addr)
-            t0 = now()
+            try:
+                head(stage, 0, op, F_ASYNC if is_async else 0, peer, 0, comm_id, nbytes)
+            except Exception:  # noqa: BLE001  (a value struct cannot pack: no record)
+                stage[0:4] = _NO_OP
             try:
                 result = fn(*args, **kwargs)
             except BaseException:
-                _pack(pack_into, stage, op, F_ERROR, peer, comm_id, nbytes, t0, now(), 0)
+                _stage(stage, op, F_ERROR, peer, comm_id, nbytes, 0)
                 raise
-            t1 = now()
-            if is_async and result is not None:
-                req = next(hook.req_ids)
-                _pack(pack_into, stage, op, F_ASYNC, peer, comm_id, nbytes, t0, t1, req)
-                return _Work(result, req, hook)
-            if name == "recv" and peer == -1 and isinstance(result, int):
-                peer = result  # recv from any source returns the sender
-            try:
-                pack_into(stage, 0, op, 0, peer, 0, comm_id, nbytes, t0, t1, 0)
-            except Exception:  # noqa: BLE001  (a value struct cannot pack: no record)
-                pass
+            if is_async:
+                if result is not None:
+                    req = next(hook.req_ids)
+                    _REQ.pack_into(stage, _REQ_AT, req)
+                    return _Work(result, req, hook)
+                _stage(stage, op, 0, peer, comm_id, nbytes, 0)   # nothing to wait for
+            elif name == "recv" and peer == -1 and isinstance(result, int):
+                _stage(stage, op, 0, result, comm_id, nbytes, 0)  # any source: the sender
             return result
         finally:
-            end()                 # writes what was packed, if anything
+            end()                 # takes t_end and writes what is staged
 
     wrapper.__greyhound_wrapped__ = fn
     return wrapper
 
 
-def _pack(pack_into, stage, op, flags, peer, comm_id, nbytes, t0, t1, req) -> None:
-    """Packs a record into a staging area; a value struct cannot pack loses the record."""
+def _stage(stage, op, flags, peer, comm_id, nbytes, req) -> None:
+    """Stages a record; one with a value struct cannot pack is dropped (op 0)."""
     try:
-        pack_into(stage, 0, op, flags, peer, 0, comm_id, nbytes, t0, t1, req)
+        _HEAD.pack_into(stage, 0, op, flags, peer, 0, comm_id, nbytes)
+        _REQ.pack_into(stage, _REQ_AT, req)
     except Exception:  # noqa: BLE001
-        pass
+        stage[0:4] = _NO_OP
 
 
 def _wrap_batch(fn, hook: _Hook, dc10d):

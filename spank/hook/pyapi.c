@@ -8,13 +8,39 @@
  * Per captured call the capture makes two argument-free calls, gh_py_begin
  * and gh_py_end, and packs the record into a per-thread staging area in
  * between: ctypes spends ~0.1 us on a call but ~0.3 us on each argument it
- * converts, and the budget for the whole capture is 2 us a call.
+ * converts, and the budget for the whole capture is 2 us a call. The two
+ * calls also take the record's times (the TSC clock is cheaper than Python's
+ * time.monotonic_ns), so that after the wrapped call returns only gh_py_end
+ * runs: code that runs right after a blocking torch call runs on cold caches,
+ * several times slower than in a loop.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <string.h>
 
 #include "hook.h"
+
+/*
+ * The staging record, packed by Python as struct "<IIiIQQQQQ" (56 bytes): op,
+ * flags, peer, 0, comm_id, size_bytes, t_start_ns, t_end_ns, req_id.
+ */
+struct gh_py_packed {
+	uint32_t op;
+	uint32_t flags;
+	int32_t peer;
+	uint32_t reserved;
+	uint64_t comm_id;
+	uint64_t size_bytes;
+	uint64_t t_start_ns;
+	uint64_t t_end_ns;
+	uint64_t req_id;
+};
+
+_Static_assert(sizeof(struct gh_py_packed) == 56, "matches _REC in _greyhound_capture.py");
+
+/* This thread is inside a captured call (torch's nested calls are part of it). */
+static __thread int py_busy __attribute__((tls_model("initial-exec")));
+static __thread struct gh_py_packed py_stage __attribute__((tls_model("initial-exec")));
 
 /* 1 if the hook records in this process (opens the ring on first use). */
 GH_EXPORT int gh_py_active(void)
@@ -44,6 +70,8 @@ GH_EXPORT void gh_py_gate(void)
 		return;
 	gh_gate();
 	gh_leave();
+	if (py_busy)
+		py_stage.t_start_ns = gh_now_ns(); /* the call starts after the wait */
 }
 
 /* Appends one record from the capture; returns its seq, 0 when off. */
@@ -62,33 +90,14 @@ GH_EXPORT uint64_t gh_py_record(uint32_t op, uint64_t comm_id, int32_t peer,
 }
 
 /*
- * The staging record, packed by Python as struct "<IIiIQQQQQ" (56 bytes): op,
- * flags, peer, 0, comm_id, size_bytes, t_start_ns, t_end_ns, req_id.
- */
-struct gh_py_packed {
-	uint32_t op;
-	uint32_t flags;
-	int32_t peer;
-	uint32_t reserved;
-	uint64_t comm_id;
-	uint64_t size_bytes;
-	uint64_t t_start_ns;
-	uint64_t t_end_ns;
-	uint64_t req_id;
-};
-
-_Static_assert(sizeof(struct gh_py_packed) == 56, "matches _REC in _greyhound_capture.py");
-
-/* This thread is inside a captured call (torch's nested calls are part of it). */
-static __thread int py_busy __attribute__((tls_model("initial-exec")));
-static __thread struct gh_py_packed py_stage __attribute__((tls_model("initial-exec")));
-
-/*
  * Starts a captured call on this thread. Returns 0 when it is not to be
  * recorded (the hook is off, or this thread is already inside one), else the
  * address of the thread's staging record, plus 1 when the pause gate is set
- * (the caller then waits in gh_py_gate, which releases the GIL). A nonzero
- * return must be matched by gh_py_end.
+ * (the caller then waits in gh_py_gate, which releases the GIL and takes the
+ * start time again). A nonzero return must be matched by gh_py_end.
+ *
+ * The record starts empty (op 0: nothing is written unless the caller packs
+ * op, flags, peer, comm_id and size_bytes), with t_start = now and req_id 0.
  */
 GH_EXPORT uintptr_t gh_py_begin(void)
 {
@@ -100,15 +109,20 @@ GH_EXPORT uintptr_t gh_py_begin(void)
 	gh_leave();
 	py_busy = 1;
 	py_stage.op = GH_OP_NONE;
+	py_stage.req_id = 0;
+	py_stage.t_end_ns = 0;
+	py_stage.t_start_ns = gh_now_ns();
 	return (uintptr_t)&py_stage + (uintptr_t)gate;
 }
 
 /*
  * Ends the captured call: appends the staged record if one was packed (op
- * nonzero) and returns its seq, else 0. Safe to call more than once.
+ * nonzero), with t_end = now unless the caller packed one, and returns its
+ * seq, else 0. Safe to call more than once.
  */
 GH_EXPORT uint64_t gh_py_end(void)
 {
+	uint64_t t_end = gh_now_ns();
 	struct gh_py_packed p = py_stage;
 	uint64_t seq;
 
@@ -116,6 +130,8 @@ GH_EXPORT uint64_t gh_py_end(void)
 	py_stage.op = GH_OP_NONE;
 	if (p.op == GH_OP_NONE || p.op >= GH_OP_COUNT || !gh_enter())
 		return 0;
+	if (p.t_end_ns == 0)
+		p.t_end_ns = t_end;
 	seq = gh_record((uint16_t)p.op, GH_SRC_TORCH, p.flags, p.t_start_ns, p.t_end_ns,
 			p.size_bytes, p.comm_id, p.peer, p.req_id, 0);
 	gh_leave();
