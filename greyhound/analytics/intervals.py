@@ -32,24 +32,28 @@ class SlowInterval:
 
 
 def slow_intervals(
-    x: np.ndarray, changepoints: Sequence[ChangePoint], *, min_slowdown: float = 1.10
+    x: np.ndarray,
+    changepoints: Sequence[ChangePoint],
+    *,
+    min_slowdown: float = 1.10,
+    min_healthy_iterations: int = 50,
 ) -> list[SlowInterval]:
     """Split the series at the change points and mark the regimes slower than healthy.
 
     The first regime is healthy (there is nothing to compare it with). A later regime
-    opens a slow interval if its median is ``min_slowdown`` times the healthy level, or
-    if its change point itself was a rise of ``min_slowdown`` and the regime stays
-    half that far above healthy (a fail-slow that ramps in over a first short step, or
-    shares its time with a small benign shift). A slow interval goes on while regimes
-    stay half that far above healthy (hysteresis, so a level hovering at the threshold
-    does not flap). A regime that is not slow becomes the new healthy level, so benign
-    shifts (a new data mix, a longer sequence length) move the reference with them.
+    opens a slow interval if its median is ``min_slowdown`` times the healthy level; the
+    interval goes on while regimes stay half that far above healthy (hysteresis, so a
+    level hovering at the threshold does not flap). A regime that is not slow and lasts
+    ``min_healthy_iterations`` becomes the new healthy level, so benign shifts (a new
+    data mix, a longer sequence length) move the reference with them; a short one (the
+    first step of a ramp) does not.
 
     Args:
         x: (n,) iteration times, finite and > 0.
         changepoints: change points with 0 < index < n, in increasing index order.
         min_slowdown: slowdown that counts as slow, > 1 (for "any slowdown" use a
             value just above 1).
+        min_healthy_iterations: regimes shorter than this never become the reference.
 
     Returns:
         Slow intervals in order.
@@ -66,20 +70,17 @@ def slow_intervals(
     healthy = float(np.median(x[bounds[0] : bounds[1]])) if n else 1.0
     onset: int | None = None
     onset_healthy = healthy
-    for cp, lo, hi in zip(changepoints, bounds[1:-1], bounds[2:]):
+    for lo, hi in zip(bounds[1:-1], bounds[2:]):
         slowdown = float(np.median(x[lo:hi])) / healthy
-        if onset is None:
-            slow = slowdown >= min_slowdown or (cp.ratio >= min_slowdown and slowdown >= hold)
-        else:
-            slow = slowdown >= hold
-        if slow:
+        if slowdown >= (hold if onset is not None else min_slowdown):
             if onset is None:
                 onset, onset_healthy = lo, healthy
             continue
         if onset is not None:
             out.append(_interval(x, onset, lo, onset_healthy))
             onset = None
-        healthy *= slowdown
+        if hi - lo >= min_healthy_iterations:
+            healthy *= slowdown
     if onset is not None:
         out.append(_interval(x, onset, None, onset_healthy))
     return out
