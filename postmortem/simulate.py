@@ -40,6 +40,7 @@ _CELL_BUDGET = 24_000_000  # float64 cells per scenario batch of the recording w
 _ROW_CELLS = 1 << 15  # (scenario, DP rank, step) cells per op row of the live walk
 _WALK_COST_CELLS = 20_000  # one level's fixed cost of a walk, in cells (~100 us / ~5 ns)
 
+
 @dataclass(frozen=True, kw_only=True)
 class SimResult:
     step_time: np.ndarray  # (S, N) simulated step times
