@@ -194,11 +194,16 @@ class ComputeInjection:
                 raise InputError(f"pid {pid} is already slowed by another injection ({path}); "
                                  "one compute injection per process at a time")
             self.originals[pid] = path
+        if self.cpus is None:
+            self.cpus = measure_cpus(self.pids)
+
+    @property
+    def lead_s(self) -> float:
+        """How long resolve() looks at the target before the injection can start."""
+        return MEASURE_WINDOW_S if self.spec.cpus is None else 0.0
 
     def apply(self, record_state=lambda: None) -> None:
         """Create the cgroup with its quota and move the resolved pids into it."""
-        if self.cpus is None:
-            self.cpus = measure_cpus(self.pids)
         record_state()  # before the change, so undo-all knows it even if we die now
         try:
             self.env.cgroup_base.mkdir(exist_ok=True)

@@ -97,7 +97,10 @@ def _hold(injection: Injection, duration_s: float, stop: threading.Event) -> str
 def _run_one(plan: Planned, injection: Injection, outcome: Outcome, *, env: state.InjectEnv,
              truth_path: Path, stop: threading.Event, t0: float,
              notify: Callable[[str], None]) -> None:
-    if stop.wait(max(0.0, t0 + plan.start_s - time.monotonic())):
+    # Some injections look at their target before they start (a compute injection
+    # measures the CPU it uses): that look happens before the planned start.
+    lead_s = getattr(injection, "lead_s", 0.0)
+    if stop.wait(max(0.0, t0 + plan.start_s - lead_s - time.monotonic())):
         outcome.skipped = True
         return
     base = {"id": injection.id, "injector_pid": os.getpid(),
@@ -112,6 +115,9 @@ def _run_one(plan: Planned, injection: Injection, outcome: Outcome, *, env: stat
 
     try:
         injection.resolve()
+        if stop.wait(max(0.0, t0 + plan.start_s - time.monotonic())):
+            outcome.skipped = True
+            return
         injection.apply(record_state)
         started = time.time()
         record_state()
@@ -150,7 +156,9 @@ def run_plans(plans: list[Planned], *, env: state.InjectEnv, truth_path: Path,
     """Run every plan concurrently; returns when all have been undone (or skipped)."""
     if injections is None:
         injections = preflight(plans, env=env)
-    t0 = time.monotonic()
+    # Time zero of the schedule leaves room for the longest look-ahead, so that every
+    # injection starts at its planned offset.
+    t0 = time.monotonic() + max((getattr(i, "lead_s", 0.0) for i in injections), default=0.0)
     outcomes = [Outcome(plan=p, id=i.id) for p, i in zip(plans, injections)]
     threads = [
         threading.Thread(target=_run_one, args=(p, i, o),
