@@ -231,7 +231,7 @@ def rebalance_sequences(lengths: np.ndarray, *, num_bins: int) -> tuple[np.ndarr
 def _gc(model: Model, attr: Attribution) -> list[Cause]:
     gc = model.t_optype == OPTYPE_CODE["gc"]
     if not gc.any():
-        return []
+        return _irregular_gc(model)
     d = model.duration[gc]
     pauses = d[d > 0.01]
     s_gc = attr.by_optype.get("gc", 1.0)
@@ -245,6 +245,30 @@ def _gc(model: Model, attr: Attribution) -> list[Cause]:
                 "pauses": int(pauses.size),
                 "mean_pause_s": round(float(pauses.mean()), 4),
                 "s_gc": round(s_gc, 3),
+            },
+            remedy="disable automatic GC and run a planned, synchronised gc.collect() on all ranks every K steps",
+        )
+    ]
+
+
+def _irregular_gc(model: Model) -> list[Cause]:
+    """Automatic GC pauses kept as events: their share of the workers' time."""
+    pauses = model.gc_events[model.gc_events > 0.01]
+    if pauses.size == 0:
+        return []
+    # Upper bound on the time lost: every pause stalls the whole pipeline once.
+    share = float(pauses.sum() / max(model.real_step_time.sum() * model.dp, 1e-12))
+    if share < 0.01:
+        return []
+    return [
+        Cause(
+            cause="Python GC pauses",
+            confidence=float(np.clip(share * 10, 0.3, 1.0)),
+            evidence={
+                "pauses": int(pauses.size),
+                "mean_pause_s": round(float(pauses.mean()), 4),
+                "share_of_step_time": round(share, 4),
+                "kind": "automatic (irregular)",
             },
             remedy="disable automatic GC and run a planned, synchronised gc.collect() on all ranks every K steps",
         )

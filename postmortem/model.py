@@ -101,6 +101,8 @@ class Model:
     real_step_time: np.ndarray  # (N,) traced step time (last end - first start)
     dropped: tuple[str, ...] = field(default=())
     buffer_rows: int = 0  # live-buffer rows the walk needs (see Level.read)
+    gc_events: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """(n_gc,) durations of irregular GC pauses kept out of the template (see build_model)."""
 
     @property
     def num_template_ops(self) -> int:
@@ -143,6 +145,25 @@ def build_model(trace: Trace) -> Model:
         step_idx, dp, pp, code = step_idx[keep_rows], dp[keep_rows], pp[keep_rows], code[keep_rows]
         start, dur = start[keep_rows], dur[keep_rows]
     del bad
+
+    # Automatic Python GC pauses (gc.callbacks) come at irregular steps and ranks, and
+    # inside other ops' spans, unlike the study's planned GC at a fixed place in every
+    # step. As template ops they would make every step with a pause "mismatched": keep
+    # them as events beside the model instead (their time is already in the ops around).
+    gc_events = np.zeros(0)
+    is_gc = code == GC_CODE
+    if is_gc.any():
+        cell = (step_idx.astype(np.int64) * D + dp) * P + pp
+        per_cell = np.bincount(cell[is_gc], minlength=N_all * D * P)
+        if per_cell.min() != per_cell.max():
+            gc_events = dur[is_gc].astype(np.float64)
+            notes.append(f"{int(is_gc.sum())} irregular GC pauses (automatic Python GC) "
+                         "kept as events, not as ops of the step")
+            keep_rows = ~is_gc
+            step_idx, dp, pp, code = step_idx[keep_rows], dp[keep_rows], pp[keep_rows], code[keep_rows]
+            start, dur = start[keep_rows], dur[keep_rows]
+        del cell, per_cell
+    del is_gc
 
     occ = _occurrence(step_idx, dp, pp, code, start, D=D, P=P, N=N_all)
 
@@ -272,6 +293,7 @@ def build_model(trace: Trace) -> Model:
         buffer_rows=buffer_rows,
         real_step_time=real_step_time,
         dropped=tuple(notes),
+        gc_events=gc_events,
     )
 
 

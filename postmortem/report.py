@@ -56,10 +56,22 @@ def _heatmap_png(result: Result, path: Path) -> None:
         (axes[1], a.ideal.cell_ratio, "compute time / ideal"),
     ):
         im = ax.imshow(mat.T, aspect="auto", origin="lower", cmap="Reds")
+        num_dp, num_pp = mat.shape
+        # Integer ticks only (ranks), thinned on big grids.
+        ax.set_xticks(np.arange(0, num_dp, max(1, num_dp // 16)))
+        ax.set_yticks(np.arange(0, num_pp, max(1, num_pp // 16)))
         ax.set_xlabel("DP rank")
         ax.set_ylabel("PP rank")
         ax.set_title(title)
         fig.colorbar(im, ax=ax)
+        if num_dp * num_pp <= 64:  # small grids: the number in each cell
+            lo, hi = im.get_clim()
+            for d in range(num_dp):
+                for p in range(num_pp):
+                    v = mat[d, p]
+                    dark = hi > lo and (v - lo) / (hi - lo) > 0.6
+                    ax.text(d, p, f"{v:.2f}", ha="center", va="center", fontsize=8,
+                            color="white" if dark else "black")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
