@@ -65,10 +65,19 @@ def test_tensor_parallel_burst_does_not_win_at_lag_one():
     assert find_period(tokens, 5) == 100
 
 
-def test_many_microbatches_do_not_win_over_the_iteration():
-    # 32 micro-batches of Send/Recv, then the DP ReduceScatter/AllGather.
-    pattern = [1, 2] * 32 + [3, 4]
+@pytest.mark.parametrize("microbatches", [32, 128])
+def test_many_microbatches_do_not_win_over_the_iteration(microbatches):
+    # Send/Recv per micro-batch, then the DP ReduceScatter/AllGather.
+    pattern = [1, 2] * microbatches + [3, 4]
     assert find_period(np.array(pattern * 6), 5) == len(pattern)
+
+
+def test_long_bursts_of_one_call_do_not_win_at_lag_one():
+    # 16 micro-batches x 8 layers of the same TP AllReduce, forward then backward.
+    pattern = [0] * 128 + [1] * 128 + [2, 3, 4]
+    tokens = np.array(pattern * 6)
+    assert lag_agreement(tokens, 5, max_lag=1)[1] > 0.95
+    assert find_period(tokens, 5) == len(pattern)
 
 
 def test_a_rare_evaluation_step_does_not_stretch_the_period():
@@ -76,6 +85,10 @@ def test_a_rare_evaluation_step_does_not_stretch_the_period():
     iteration = [0, 1, 2, 0, 3, 1, 1, 2, 0, 0, 3, 2, 1, 0, 2, 3, 3, 0, 1, 2]
     tokens = np.array((iteration * 50 + [4, 0]) * 3)
     assert find_period(tokens, 5) == len(iteration)
+    # Also when the iteration holds a burst that alone reaches 0.95 at lag 1.
+    burst = [0] * 200 + [1, 2, 3]
+    tokens = np.array((burst * 50 + [4, 1]) * 3)
+    assert find_period(tokens, 5) == len(burst)
 
 
 def test_aperiodic_sequence_has_no_period():

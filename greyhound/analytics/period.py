@@ -13,11 +13,12 @@ Where this departs from the paper, and why:
   symbols agree, corrected for the agreement expected by chance. A plain match rate
   reaches 0.95 at lag 1 inside a tensor-parallel burst (dozens of identical AllReduce
   calls per layer); the chance correction pulls such lags far below the threshold.
-- The rule stays the paper's (smallest lag reaching the threshold). It cannot tell a
-  motif repeated almost everywhere inside an iteration (more than ~64 pipeline
-  micro-batches of identical Send/Recv) from iterations with a rare extra call (an
-  evaluation step every 50 iterations): both look like a short lag at ~0.97 and a long
-  one at 1.0. Picking the short lag is right for the second, far more common case.
+- A lag that reaches the threshold is still not the period if one of its multiples
+  agrees clearly better (by ``tolerance``): long bursts of identical calls (128
+  micro-batches x 8 layers of the same TP AllReduce) or many identical micro-batches
+  of Send/Recv reach 0.95 at lag 1 or 2, but the iteration (a multiple of it) reaches
+  1.0. An evaluation step every 50 iterations does not stretch the period: 50
+  iterations plus the eval calls are no multiple of the iteration.
 - Warm-up calls (parameter broadcasts, barriers) are not periodic: the ACF is computed
   over the trailing ``window`` calls (then over shorter tails while no lag qualifies,
   so that a short trace's warm-up falls out too) and iteration times start at the
@@ -145,14 +146,21 @@ def find_period(
     num_tokens: int,
     *,
     threshold: float = 0.95,
+    tolerance: float = 0.02,
     max_period: int | None = None,
 ) -> int | None:
-    """The smallest lag whose ACF reaches ``threshold``.
+    """The smallest lag whose ACF reaches ``threshold``, unless a multiple beats it.
+
+    If a multiple of that lag has an ACF higher by ``tolerance``, the lag is a motif
+    inside the iteration; the first such multiple is taken instead (and checked the
+    same way).
 
     Args:
         tokens: (n,) int symbols in [0, num_tokens).
         num_tokens: number of distinct symbols.
         threshold: ACF a lag needs (the paper's M = 0.95).
+        tolerance: a lag is a sub-pattern, not the period, if a multiple of it (up to
+            n - 1) has an ACF higher by this much.
         max_period: largest period considered; default n // 2 (two repetitions).
 
     Returns:
@@ -160,13 +168,29 @@ def find_period(
     """
     if not 0.0 < threshold <= 1.0:
         raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+    if tolerance < 0.0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
     n = len(tokens)
     limit = n // 2 if max_period is None else min(max_period, n - 1)
     if limit < 1:
         return None
-    kappa = lag_agreement(tokens, num_tokens, max_lag=limit)[1:]
-    qualifying = np.flatnonzero(kappa >= threshold - 1e-12)
-    return int(qualifying[0]) + 1 if len(qualifying) else None
+    # Multiples are looked at up to n - 1 lags: a sub-pattern's iteration may be
+    # longer than max_period allows as a period.
+    kappa = lag_agreement(tokens, num_tokens, max_lag=max(limit, n - 1))
+    qualifying = np.flatnonzero(kappa[1 : limit + 1] >= threshold - 1e-12) + 1
+    if not len(qualifying):
+        return None
+    lag = int(qualifying[0])
+    while True:
+        # A sub-pattern's multiples include its iteration: move to the first multiple
+        # that agrees clearly better, and ask the same of it.
+        multiples = kappa[2 * lag :: lag]
+        better = np.flatnonzero(multiples >= kappa[lag] + tolerance)
+        if not len(better):
+            return lag
+        lag = lag * (int(better[0]) + 2)
+        if lag > limit:
+            return None
 
 
 def iteration_times_from_calls(
@@ -176,6 +200,7 @@ def iteration_times_from_calls(
     t_start: np.ndarray,
     *,
     threshold: float = 0.95,
+    tolerance: float = 0.02,
     window: int = 1 << 16,
     max_period: int | None = None,
     period: int | None = None,
@@ -193,7 +218,7 @@ def iteration_times_from_calls(
         comm: (n,) communicator ids.
         nbytes: (n,) bytes per call.
         t_start: (n,) float call start times in seconds, non-decreasing.
-        threshold, max_period: see :func:`find_period`.
+        threshold, tolerance, max_period: see :func:`find_period`.
         window: the period is found on the trailing ``window`` calls (warm-up calls
             at the start of a trace fall out of it).
         period: a known period (e.g. from an earlier window): skips the search.
@@ -217,7 +242,7 @@ def iteration_times_from_calls(
         for use_bytes in (True, False):
             period = _search_period(
                 op, comm, nbytes if use_bytes else None, window=window,
-                threshold=threshold, max_period=max_period,
+                threshold=threshold, tolerance=tolerance, max_period=max_period,
             )
             if period is not None:
                 break
@@ -281,6 +306,7 @@ def _search_period(
     *,
     window: int,
     threshold: float,
+    tolerance: float,
     max_period: int | None,
 ) -> int | None:
     """find_period on the trailing window; if none, on shorter and shorter tails.
@@ -307,7 +333,9 @@ def _search_period(
         limit = max_period if k == 0 else min(max_period or size, size // 3)
         if limit is not None and limit < 1:
             continue
-        period = find_period(tokens, num_tokens, threshold=threshold, max_period=limit)
+        period = find_period(
+            tokens, num_tokens, threshold=threshold, tolerance=tolerance, max_period=limit
+        )
         if period is not None:
             return period
     return None
