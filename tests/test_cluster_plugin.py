@@ -155,3 +155,25 @@ def test_plugstack_default_on_enables_every_job_unless_off(default_on, sbatch):
     check_enabled(task_lines(mitigate.text()), mode="mitigate", job_id=mitigate.job_id)
     off_lines = task_lines(off.text())
     assert off_lines and all(t["mode"] == "" and t["ld_preload"] == "" for t in off_lines)
+
+
+def test_srun_and_salloc_take_the_option_too(cluster):
+    srun = subprocess.run(
+        ["srun", "--nodes=2", "--ntasks-per-node=1", "--greyhound=mitigate", "/bin/bash", "-c", REPORT_ENV, "srun"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert srun.returncode == 0, srun.stderr
+    lines = task_lines(srun.stdout)
+    assert len(lines) == 2 and {t["node"] for t in lines} == {"n1", "n2"}
+    assert all(t["mode"] == "mitigate" and t["ld_preload"].split(":")[0] == str(HOOK) for t in lines)
+    salloc = subprocess.run(
+        ["salloc", "--nodes=1", "--greyhound=detect", "srun", "/bin/bash", "-c", REPORT_ENV, "salloc"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert salloc.returncode == 0, salloc.stderr
+    assert [t["mode"] for t in task_lines(salloc.stdout)] == ["detect"]
+    bad = subprocess.run(["srun", "--greyhound=fast", "true"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0
+    assert [line for line in bad.stderr.splitlines() if line.startswith("greyhound: ")] == [
+        "greyhound: --greyhound: 'fast' is not an option; use off, on, detect, mitigate or key=value "
+        "with keys mode, trace, report"]
