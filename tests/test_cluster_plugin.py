@@ -6,6 +6,7 @@ import os
 import stat
 import subprocess
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +178,40 @@ def test_srun_and_salloc_take_the_option_too(cluster):
     assert [line for line in bad.stderr.splitlines() if line.startswith("greyhound: ")] == [
         "greyhound: --greyhound: 'fast' is not an option; use off, on, detect, mitigate or key=value "
         "with keys mode, trace, report"]
+
+
+@pytest.fixture
+def plugstack_line(cluster):
+    """Lets a test rewrite greyhound's plugstack line; restores it afterwards."""
+    entry = Path("/etc/slurm/plugstack.conf.d/greyhound.conf")
+    saved = entry.read_text()
+
+    def rewrite(transform):
+        entry.write_text("\n".join(transform(line) if line.startswith("optional") else line
+                                   for line in saved.splitlines()) + "\n")
+
+    try:
+        yield rewrite
+    finally:
+        entry.write_text(saved)
+
+
+def test_broken_admin_config_leaves_jobs_running_without_greyhound(plugstack_line, sbatch):
+    plugstack_line(lambda line: line + " colour=blue")
+    job = sbatch(JOB_SCRIPT, "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--greyhound")
+    assert job.wait() == "COMPLETED", job.text()
+    lines = task_lines(job.text())
+    assert {t["step"] for t in lines} == {"batch", "step0", "step1"}
+    assert all(t["mode"] == "" and t["ld_preload"] == "" for t in lines), lines
+
+
+def test_unusable_run_dir_leaves_jobs_running_without_greyhound(plugstack_line, sbatch, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    plugstack_line(lambda line: " ".join(w if not w.startswith("rundir=") else f"rundir={not_a_dir}"
+                                         for w in line.split()))
+    job = sbatch(JOB_SCRIPT, "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--greyhound")
+    assert job.wait() == "COMPLETED", job.text()
+    lines = task_lines(job.text())
+    assert {t["step"] for t in lines} == {"batch", "step0", "step1"}
+    assert all(t["mode"] == "" and t["run_dir"] == "" for t in lines), lines

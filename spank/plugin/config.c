@@ -217,6 +217,8 @@ fail:
 
 int gh_enabled(const struct gh_config *config, const struct gh_options *options)
 {
+	if (config->broken)
+		return 0;
 	if (options->seen && options->enabled >= 0)
 		return options->enabled;
 	return config->default_on;

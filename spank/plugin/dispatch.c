@@ -18,10 +18,13 @@ int slurm_spank_init(spank_t sp, int ac, char **av)
 	gh_config_defaults(&gh_config);
 	gh_options_defaults(&gh_options);
 	if (gh_config_parse(&gh_config, ac, av) < 0) {
-		/* A broken admin configuration turns greyhound off, never the job. */
+		/*
+		 * A broken admin configuration turns greyhound off, never the job: the
+		 * option is still registered so that scripts saying --greyhound submit.
+		 */
 		slurm_error("greyhound: failed to parse plugstack.conf arguments; greyhound is off");
 		gh_config_defaults(&gh_config);
-		return 0;
+		gh_config.broken = 1;
 	}
 	switch (spank_context()) {
 	case S_CTX_LOCAL:

@@ -23,6 +23,7 @@ struct gh_config {
 	char mode[GH_MODE_MAX_LEN];    /* detect | mitigate */
 	char prefix[PATH_MAX];         /* where greyhound is installed */
 	char rundir[PATH_MAX];         /* parent of the per-job run directories */
+	int broken;                    /* the arguments did not parse: greyhound is off */
 };
 
 struct gh_options {
