@@ -44,16 +44,13 @@ _MASK64 = (1 << 64) - 1
 
 HOOK_NAME = "libgreyhound_hook.so"
 
-# struct gh_py_packed in spank/hook/pyapi.c, a per-thread staging record: op, flags,
-# peer, 0, comm_id, size_bytes (_HEAD, at 0), t_start_ns, t_end_ns (taken by the hook's
-# gh_py_begin and gh_py_end), req_id (_REQ, at 48). Packing into it and making two
-# argument-free ctypes calls is far cheaper than one call with eight converted
-# arguments (~0.3 us each).
-_STAGE_BYTES = 56
-_HEAD = struct.Struct("<IIiIQQ")
-_REQ = struct.Struct("<Q")
-_REQ_AT = 48
-_NO_OP = bytes(4)
+# A record's head as gh_py_end_head (spank/hook/pyapi.c) takes it: op, flags, peer, 0,
+# comm_id, size_bytes, req_id. The hook takes the times itself (gh_py_begin, then
+# gh_py_end_head). ctypes passes one bytes object for almost nothing but spends
+# ~0.3 us on each typed argument, so per call the capture makes gh_py_begin() and
+# gh_py_end_head(head), with the head packed once per operation shape and reused.
+_HEAD = struct.Struct("<IIiIQQQ")
+_HEADS_MAX = 4096   # cached heads per group (distinct op, peer, size); then start over
 
 HOOK = None
 """The _Hook that patch() installed (scripts/bench_hook wraps a stand-in with it)."""
@@ -112,9 +109,10 @@ class _Hook:
         self.end = pylib.gh_py_end
         self.end.restype = None
         self.end.argtypes = []
+        self.end_head = pylib.gh_py_end_head   # no argtypes: a bytes object goes as char *
+        self.end_head.restype = None
         self.gate = lib.gh_py_gate
         self.record = lib.gh_py_record
-        self.stages: dict[int, object] = {}   # staging record address -> writable view
         self.groups: dict[int, tuple] = {}
         self.last = (None, None)  # (group, info) of the last call: most calls use one group
         self.ordinals: dict[int, int] = {}
@@ -144,13 +142,9 @@ class _Hook:
         self.last = (None, None)
         self.on = None
 
-    def stage(self, addr: int):
-        """A writable view of a thread's staging record (gh_py_begin's address)."""
-        view = self.stages[addr] = (ctypes.c_char * _STAGE_BYTES).from_address(addr)
-        return view
-
     def group_info(self, dc10d, group):
-        """(comm_id, size, rank, record?) of a process group; derived once."""
+        """(comm_id, size, rank, skip_all, skip_cuda, heads) of a process group; derived
+        once. heads caches packed record heads for the group's calls."""
         if group is None:
             group = dc10d.GroupMember.WORLD
         key = id(group)
@@ -170,7 +164,7 @@ class _Hook:
         skip_all = "mpi" in backend or (backend == "nccl" and self.c_nccl)
         skip_cuda = self.c_nccl and "nccl" in backend
         rank = dc10d.get_rank(group)
-        value = (comm_id, len(ranks), rank, skip_all, skip_cuda)
+        value = (comm_id, len(ranks), rank, skip_all, skip_cuda, {})
         self.groups[key] = (group, value)
         self.lib.gh_py_comm(comm_id, len(ranks), rank)
         return value
@@ -188,17 +182,14 @@ class _Work:
 
     def wait(self, *args, **kwargs):
         hook = self._hook
-        addr = hook.begin() & ~1  # (completion is not held at the gate)
-        t0 = 0 if addr else time.monotonic_ns()
+        begun = hook.begin()      # (completion is not held at the gate)
+        t0 = 0 if begun else time.monotonic_ns()
         try:
             return self._work.wait(*args, **kwargs)
         finally:
             req, self._req = self._req, 0
-            if addr:
-                if req:
-                    stage = hook.stages.get(addr) or hook.stage(addr)
-                    _stage(stage, OP_WAIT, 0, -1, 0, 0, req)
-                hook.end()
+            if begun:
+                hook.end_head(_HEAD.pack(OP_WAIT, 0, -1, 0, 0, 0, req) if req else None)
             elif req:  # inside another captured call: the slow way
                 hook.record(OP_WAIT, 0, -1, 0, t0, time.monotonic_ns(), 0, req)
 
@@ -255,8 +246,7 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
     i_async = pos.get("async_op", absent)
     is_list = size_arg in ("input_list", "tensor_list")
     always_async = name in _ALWAYS_ASYNC
-    begin, end, head = hook.begin, hook.end, _HEAD.pack_into
-    stages = hook.stages
+    begin, end_head, pack = hook.begin, hook.end_head, _HEAD.pack
     slow_world = _world_getter(dc10d)
 
     def arg(args, kwargs, pname, default=None):
@@ -268,7 +258,8 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
     # The common path is written out inline, without helper calls: each Python
     # call costs ~0.1 us on a slow core (several times more on the cold caches
     # a blocking torch call leaves), and the budget for all of this is 2 us.
-    # The record is staged before the call, so after it only gh_py_end runs.
+    # The record's head is ready before the call, so after it only
+    # gh_py_end_head runs.
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         on = hook.on
@@ -291,7 +282,7 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
             else:
                 info = hook.group_info(dc10d, pg)
                 hook.last = (pg, info)
-            comm_id, _size, _rank, skip_all, skip_cuda = info
+            comm_id, _size, _rank, skip_all, skip_cuda, heads = info
             if size_arg is None:
                 tensor = None
             else:
@@ -319,48 +310,48 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
                         peer = p if group is None else dc10d.get_group_rank(group, p)
             is_async = always_async or bool(args[i_async] if i_async < n
                                             else kwargs.get("async_op", False))
+            if is_async or peer < -1:
+                head = None               # packed after the call (async) or not cached
+            else:
+                key = ((peer + 1) << 56) | (op << 48) | nbytes
+                head = heads.get(key)
+                if head is None:
+                    if len(heads) >= _HEADS_MAX:
+                        heads.clear()
+                    head = heads[key] = pack(op, 0, peer, 0, comm_id, nbytes, 0)
         except Exception:  # noqa: BLE001  (never let bookkeeping break the call)
             return fn(*args, **kwargs)
-        addr = begin()            # 0: inside another captured call on this thread
-        if not addr:
+        begun = begin()           # 0: inside another captured call on this thread
+        if not begun:
             return fn(*args, **kwargs)
+        if begun & 1:             # the pause gate is set: wait there (GIL released)
+            hook.gate()
         try:
-            if addr & 1:          # the pause gate is set: wait there (GIL released)
-                addr -= 1
-                hook.gate()
-            stage = stages.get(addr) or hook.stage(addr)
-            try:
-                head(stage, 0, op, F_ASYNC if is_async else 0, peer, 0, comm_id, nbytes)
-            except Exception:  # noqa: BLE001  (a value struct cannot pack: no record)
-                stage[0:4] = _NO_OP
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException:
-                _stage(stage, op, F_ERROR, peer, comm_id, nbytes, 0)
-                raise
-            if is_async:
-                if result is not None:
-                    req = next(hook.req_ids)
-                    _REQ.pack_into(stage, _REQ_AT, req)
-                    return _Work(result, req, hook)
-                _stage(stage, op, 0, peer, comm_id, nbytes, 0)   # nothing to wait for
-            elif name == "recv" and peer == -1 and isinstance(result, int):
-                _stage(stage, op, 0, result, comm_id, nbytes, 0)  # any source: the sender
-            return result
-        finally:
-            end()                 # takes t_end and writes what is staged
+            result = fn(*args, **kwargs)
+        except BaseException:
+            end_head(_head(op, F_ERROR, peer, comm_id, nbytes, 0))
+            raise
+        if is_async:
+            if result is not None:
+                req = next(hook.req_ids)
+                end_head(_head(op, F_ASYNC, peer, comm_id, nbytes, req))
+                return _Work(result, req, hook)
+            head = _head(op, 0, peer, comm_id, nbytes, 0)   # nothing to wait for
+        elif name == "recv" and peer == -1 and isinstance(result, int):
+            head = _head(op, 0, result, comm_id, nbytes, 0)  # any source: the sender
+        end_head(head)            # takes t_end and writes the record
+        return result
 
     wrapper.__greyhound_wrapped__ = fn
     return wrapper
 
 
-def _stage(stage, op, flags, peer, comm_id, nbytes, req) -> None:
-    """Stages a record; one with a value struct cannot pack is dropped (op 0)."""
+def _head(op, flags, peer, comm_id, nbytes, req):
+    """A record head for gh_py_end_head; None (no record) if a value does not fit."""
     try:
-        _HEAD.pack_into(stage, 0, op, flags, peer, 0, comm_id, nbytes)
-        _REQ.pack_into(stage, _REQ_AT, req)
+        return _HEAD.pack(op, flags, peer, 0, comm_id, nbytes, req)
     except Exception:  # noqa: BLE001
-        stage[0:4] = _NO_OP
+        return None
 
 
 def _wrap_batch(fn, hook: _Hook, dc10d):
@@ -375,7 +366,7 @@ def _wrap_batch(fn, hook: _Hook, dc10d):
             ops = []
             for p in p2p_op_list:
                 fname = getattr(p.op, "__name__", "")
-                comm_id, _s, _r, skip_all, skip_cuda = hook.group_info(dc10d, p.group)
+                comm_id, _s, _r, skip_all, skip_cuda, _heads = hook.group_info(dc10d, p.group)
                 if skip_all or (skip_cuda and getattr(p.tensor, "is_cuda", False)):
                     return fn(p2p_op_list)
                 peer = p.group_peer if getattr(p, "group_peer", None) is not None else p.peer

@@ -3,6 +3,7 @@
 No greyhound code here: the capture comes from sitecustomize alone. Prints the final
 value (= ITERATIONS) so a test can check the result is intact.
 """
+import os
 import sys
 import time
 
@@ -18,4 +19,8 @@ for _ in range(n):
     acc += t
     time.sleep(nap)
 print(int(acc.item()), flush=True)
-dist.destroy_process_group()
+# No destroy_process_group: on a loaded machine gloo's teardown aborts ("terminate
+# called without an active exception") in 10-30 % of 2-rank runs, with or without
+# greyhound. Everything this program checks is written by now.
+sys.stdout.flush()
+os._exit(0)
