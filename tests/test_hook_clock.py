@@ -95,3 +95,36 @@ def test_timestamps_follow_the_system_clocks(tmp_path, clock_prog, clock):
 def test_ring_flag_constant_matches_the_header():
     text = (ROOT / "spank" / "hook" / "gh_ring.h").read_text()
     assert f"#define GH_HOOK_TSC 0x{HOOK_TSC:x}u" in text
+
+
+def _clock_threads(sanitize: bool) -> Path:
+    from hook_support import HOOK_DIR, _cc
+
+    exe = build_dir() / ("clock_threads_san" if sanitize else "clock_threads")
+    flags = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer"] \
+        if sanitize else ["-O2", "-g"]
+    _cc([*flags, "-std=gnu11", "-Wall", "-Wextra", "-Werror", f"-I{HOOK_DIR}", "-o", str(exe),
+         str(ROOT / "tests" / "hook_progs" / "clock_threads.c"), "-lpthread"])
+    return exe
+
+
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan-ubsan"])
+@pytest.mark.parametrize("allow_tsc", [1, 0], ids=["auto", "monotonic"])
+def test_clock_read_by_threads_while_refitted(sanitize, allow_tsc):
+    # 4 threads read the clock for 1 s while the line is refitted ~8 times under
+    # them (the seqlock, the refit try-lock and the per-thread floor at work).
+    exe = _clock_threads(sanitize)
+    env = {"UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
+           "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1"}
+    proc = subprocess.run([str(exe), "4", "1.0", str(allow_tsc)], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    words = proc.stdout.split()
+    got = dict(zip(words[::2], (int(w) for w in words[1::2]), strict=True))
+    assert got["readings"] > 10_000
+    assert got["backwards"] == 0                  # never back on a thread
+    assert got["early"] <= TOL_NS and got["late"] <= TOL_NS
+    if not allow_tsc:
+        assert got["tsc"] == 0 and got["early"] <= 0 and got["late"] <= 0
+    elif tsc_expected() is not None:
+        assert got["tsc"] == int(tsc_expected())

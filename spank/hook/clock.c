@@ -10,13 +10,17 @@
  *     ns = ns0 + (tsc - tsc0) * mult / 2^32
  *
  * The line is refitted from time to time (1 ms after the first calibration,
- * then at doubling intervals up to 1 s): each refit takes a fresh (TSC,
- * CLOCK_MONOTONIC) pair, measures the slope over the time since the previous
- * pair (so it follows NTP's frequency corrections), and re-anchors. The
- * mapping never steps back: if the old line ran ahead of the clock, the new
- * one starts where the old one is and runs slightly slower until it meets the
- * clock again. The error against clock_gettime stays at the width of a
- * calibration pair (tens of ns; tests/test_hook_clock.py bounds it).
+ * then at doubling intervals up to 100 ms, a refit costing ~0.5 us): each
+ * refit takes a fresh (TSC, CLOCK_MONOTONIC) pair, measures the slope over the
+ * time since the previous pair (so it follows NTP's frequency corrections),
+ * and re-anchors. The mapping never steps back: if the old line ran ahead of
+ * the clock, the new one starts where the old one is and runs slightly slower
+ * until it meets the clock again. The error against clock_gettime is the
+ * width of a calibration pair plus what NTP slews within one interval: tens
+ * of ns, rarely a microsecond or two (tests/test_hook_clock.py bounds it;
+ * tests/hook_progs/clock_threads.c measures it). A pair whose brackets were
+ * all wide (the vCPU descheduled inside each) is not used; the line is kept
+ * 10 ms more, at most 8 times in a row.
  *
  * Readers take no lock: the parameters sit behind a sequence counter, and a
  * reader that sees it change or odd (a refit in progress), or finds the line
@@ -39,9 +43,11 @@
 #endif
 
 #define CAL_FIRST_NS 1000000ull          /* first fit after 1 ms of clock_gettime */
-#define CAL_MAX_NS 1000000000ull         /* then refits at most 1 s apart */
+#define CAL_MAX_NS 100000000ull          /* then refits at most 100 ms apart */
 #define CAL_PAIR_TRIES 5
 #define CAL_MAX_ERROR_NS 1000000ll       /* a refit finding the line 1 ms off: TSC is not usable */
+#define CAL_RETRY_NS 10000000ull         /* after a wide calibration bracket, try again in 10 ms */
+#define CAL_MAX_SKIPS 8                  /* ... at most this many times in a row */
 
 struct gh_clock gh_clock;
 __thread uint64_t gh_last_ns __attribute__((tls_model("initial-exec")));
@@ -53,6 +59,8 @@ static struct {
 	uint64_t cal_ns;
 	uint64_t interval_ns;    /* time to the next refit */
 	int have_pair;
+	uint64_t min_width;      /* narrowest calibration bracket seen (ticks) */
+	int skipped;             /* refits put off in a row for a wide bracket */
 } w;
 
 #if defined(__x86_64__)
@@ -135,8 +143,11 @@ static int tsc_usable(void)
 	return (invariant || cpu_flags_have(flags, 2)) && kernel_trusts_tsc();
 }
 
-/* A (TSC, CLOCK_MONOTONIC) pair: the narrowest of a few brackets. */
-static void take_pair(uint64_t *tsc, uint64_t *ns)
+/*
+ * A (TSC, CLOCK_MONOTONIC) pair: the narrowest of a few brackets. Returns its
+ * width in ticks (the pair's uncertainty), UINT64_MAX if none was usable.
+ */
+static uint64_t take_pair(uint64_t *tsc, uint64_t *ns)
 {
 	uint64_t best = UINT64_MAX;
 
@@ -155,6 +166,9 @@ static void take_pair(uint64_t *tsc, uint64_t *ns)
 		*tsc = 0;
 		*ns = gh_mono_ns();
 	}
+	if (best < w.min_width || w.min_width == 0)
+		w.min_width = best;
+	return best;
 }
 #endif
 
@@ -188,7 +202,7 @@ int gh_clock_init(int allow_tsc)
 	if (allow_tsc && tsc_usable()) {
 		if (gh_clock.mult == 0) {
 			/* (A forked child keeps its parent's line and calibration pair.) */
-			take_pair(&w.cal_tsc, &w.cal_ns);
+			(void)take_pair(&w.cal_tsc, &w.cal_ns);
 			w.have_pair = w.cal_tsc != 0;
 			w.interval_ns = CAL_FIRST_NS;
 		}
@@ -225,11 +239,23 @@ static uint64_t ticks_for(uint64_t interval_ns, uint64_t mult)
 /* Refits the line at a fresh pair; returns the reading to hand out. Lock held. */
 static uint64_t refit(void)
 {
-	uint64_t tsc, ns, mult, mapped, slow, ticks;
+	uint64_t tsc, ns, mult, mapped, slow, ticks, width;
 	unsigned __int128 q;
 	int64_t err;
 
-	take_pair(&tsc, &ns);
+	width = take_pair(&tsc, &ns);
+	if (gh_clock.mult && width > 4 * w.min_width + 64 && w.skipped < CAL_MAX_SKIPS &&
+	    tsc > gh_clock.tsc0) {
+		/*
+		 * Every bracket was wide (the vCPU was descheduled inside each): a
+		 * refit now would be off by that much. Keep the line 10 ms more.
+		 */
+		w.skipped++;
+		publish(gh_clock.tsc0, gh_clock.ns0, gh_clock.mult,
+			(tsc - gh_clock.tsc0) + ticks_for(CAL_RETRY_NS, gh_clock.mult));
+		return line_at(tsc);
+	}
+	w.skipped = 0;
 	if (!w.have_pair) {
 		w.cal_tsc = tsc;
 		w.cal_ns = ns;
