@@ -247,6 +247,7 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
     is_list = size_arg in ("input_list", "tensor_list")
     always_async = name in _ALWAYS_ASYNC
     begin, end_head, pack = hook.begin, hook.end_head, _HEAD.pack
+    op_key = op << 48             # heads are keyed by (peer, op, size) in one int
     slow_world = _world_getter(dc10d)
 
     def arg(args, kwargs, pname, default=None):
@@ -308,12 +309,12 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
                     p = arg(args, kwargs, peer_arg)
                     if p is not None:
                         peer = p if group is None else dc10d.get_group_rank(group, p)
-            is_async = always_async or bool(args[i_async] if i_async < n
-                                            else kwargs.get("async_op", False))
+            is_async = always_async or (args[i_async] if i_async < n
+                                        else kwargs.get("async_op", False))
             if is_async or peer < -1:
                 head = None               # packed after the call (async) or not cached
             else:
-                key = ((peer + 1) << 56) | (op << 48) | nbytes
+                key = ((peer + 1) << 56) | op_key | nbytes
                 head = heads.get(key)
                 if head is None:
                     if len(heads) >= _HEADS_MAX:
