@@ -6,6 +6,9 @@ all_gather(_into_tensor), broadcast, reduce, send, recv, isend, irecv,
 batch_isend_irecv, barrier) and writes one record per call through the hook's
 ``gh_py_*`` entry points: the same layout, the same ring, the same pause gate.
 
+- Times are the hook's clock (CLOCK_MONOTONIC ns), taken in gh_py_begin just before
+  the call and in gh_py_end_head just after it, so a record spans the call plus a
+  few tenths of a microsecond of capture work.
 - Blocking calls: t_end is the return. Async calls (async_op=True, isend, irecv,
   batch_isend_irecv) get a record at issue with the ASYNC flag and a WAIT record
   with the same req_id when ``wait()`` returns; their Work comes back wrapped in a
