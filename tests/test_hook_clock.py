@@ -128,3 +128,27 @@ def test_clock_read_by_threads_while_refitted(sanitize, allow_tsc):
         assert got["tsc"] == 0 and got["early"] <= 0 and got["late"] <= 0
     elif tsc_expected() is not None:
         assert got["tsc"] == int(tsc_expected())
+
+
+def test_forked_child_gets_its_own_ring_and_a_consistent_clock(tmp_path):
+    from hook_support import _cc, run
+
+    exe = build_dir() / "py_api_fork"
+    _cc(["-O1", "-g", "-Wall", "-Wextra", "-Werror", "-o", str(exe),
+         str(ROOT / "tests" / "hook_progs" / "py_api_fork.c"), "-ldl"])
+    proc = run([str(exe), "200"], base_env(tmp_path, hook_lib(), RANK="0"))
+    assert (proc.returncode, proc.stderr) == (0, "")
+    rows = np.array([[int(x) for x in ln.split()] for ln in proc.stdout.splitlines()])
+    parent, child = int(rows[0, 0]), int(rows[200, 0])
+    assert parent != child and len(rows) == 600
+    rings = {p.name: p for p in tmp_path.iterdir()}
+    assert set(rings) == {"ring.0", f"ring.0.{child}"}
+    for name, pid, comm in (("ring.0", parent, 7), (f"ring.0.{child}", child, 8)):
+        with RingReader(rings[name], publish=False) as ring:
+            recs = ring.read().records
+            assert ring.info.pid == pid
+        mine = rows[rows[:, 0] == pid]
+        assert recs["comm_id"].tolist() == [comm] * len(mine)      # nobody else's records
+        t0, t1 = recs["t_start_ns"].astype(np.int64), recs["t_end_ns"].astype(np.int64)
+        assert np.all(t0 >= mine[:, 2] - TOL_NS) and np.all(t1 <= mine[:, 3] + TOL_NS)
+        assert np.all(np.diff(np.stack([t0, t1], 1).ravel()) >= 0)
