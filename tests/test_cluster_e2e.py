@@ -202,3 +202,37 @@ def test_report_for_a_job_without_greyhound_is_a_clear_error(cluster, sbatch):
     assert proc.returncode == 1
     assert proc.stderr.strip() == (f"greyhound: job {job.job_id} has no greyhound summary on its record "
                                    "(not run with --greyhound, or its post-mortem has not finished yet)")
+
+
+def test_epilog_hands_the_report_to_the_jobs_user_only(cluster):
+    import pwd
+
+    from postmortem.generate import SyntheticJob, generate
+    from postmortem.schema import write_trace
+
+    user = pwd.getpwnam("nobody")
+    proc = subprocess.run(["runuser", "-u", "nobody", "--", "sbatch", "--parsable", "--wait",
+                           "--output=/dev/null", "--chdir=/tmp", "--wrap=true"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().split(";")[0]
+    # As if the job had run with --greyhound and recorded a timeline with a slow worker.
+    run_dir = RUN_DIR_BASE / job_id
+    (run_dir / "timeline").mkdir(parents=True)
+    trace, truth = generate(SyntheticJob(dp=2, pp=2, num_microbatches=4, num_steps=6,
+                                         slow_workers=((1, 0, 1.8),), seed=11))
+    write_trace(run_dir / "timeline/trace.h5", ops=trace.ops, workers=trace.workers, meta=trace.meta)
+    for path in (run_dir, run_dir / "timeline", run_dir / "timeline/trace.h5"):
+        os.chown(path, user.pw_uid, user.pw_gid)
+    run_dir.chmod(0o700)
+    epilog = subprocess.run([str(REPO / ".venv/bin/python"), "-m", "postmortem.epilog", job_id],
+                            capture_output=True, text=True, timeout=120)
+    assert epilog.returncode == 0, epilog.stderr
+    comment, _ = comment_of(job_id, 10)
+    assert comment.startswith("greyhound: S=") and "dp1/pp0" in comment, comment
+    report = run_dir / "report"
+    st = report.stat()
+    assert (st.st_uid, st.st_mode & 0o777) == (user.pw_uid, 0o700)
+    for f in report.iterdir():
+        fst = f.stat()
+        assert (fst.st_uid, fst.st_mode & 0o077) == (user.pw_uid, 0), f

@@ -215,3 +215,28 @@ def test_unusable_run_dir_leaves_jobs_running_without_greyhound(plugstack_line, 
     lines = task_lines(job.text())
     assert {t["step"] for t in lines} == {"batch", "step0", "step1"}
     assert all(t["mode"] == "" and t["run_dir"] == "" for t in lines), lines
+
+
+def test_a_plain_users_job_gets_its_own_private_run_dir(cluster):
+    # The run dir is made as root (init_post_opt), then handed to the job's user.
+    import pwd
+    import shutil
+    import tempfile
+
+    user = pwd.getpwnam("nobody")
+    out_dir = Path(tempfile.mkdtemp(prefix="greyhound-nobody-", dir="/tmp"))
+    try:
+        out_dir.chmod(0o1777)
+        proc = subprocess.run(
+            ["runuser", "-u", "nobody", "--", "sbatch", "--parsable", "--wait", "--nodes=2", "--ntasks=4",
+             "--ntasks-per-node=2", "--greyhound", f"--output={out_dir}/job.out", f"--chdir={out_dir}"],
+            input=JOB_SCRIPT, capture_output=True, text=True, timeout=180,
+        )
+        assert proc.returncode == 0, proc.stderr
+        job_id = proc.stdout.strip().split(";")[0]
+        lines = task_lines((out_dir / "job.out").read_text())
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    check_enabled(lines, mode="detect", job_id=job_id)
+    st = os.stat(lines[0]["run_dir"])
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (user.pw_uid, user.pw_gid, 0o700)

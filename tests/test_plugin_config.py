@@ -32,4 +32,4 @@ def test_plugin_exports_only_the_spank_symbols(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     exported = sorted(line.split()[-1] for line in out.splitlines())
     assert exported == sorted(["plugin_name", "plugin_type", "plugin_version", "spank_plugin_version",
-                               "slurm_spank_init", "slurm_spank_user_init"])
+                               "slurm_spank_init", "slurm_spank_init_post_opt"])

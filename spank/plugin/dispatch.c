@@ -41,12 +41,16 @@ int slurm_spank_init(spank_t sp, int ac, char **av)
 	}
 }
 
-int slurm_spank_user_init(spank_t sp, int ac, char **av)
+int slurm_spank_init_post_opt(spank_t sp, int ac, char **av)
 {
 	(void)ac;
 	(void)av;
-	if (spank_context() != S_CTX_REMOTE)
+	switch (spank_context()) {
+	case S_CTX_REMOTE:
+		/* Still root here (user_init runs as the job's user): the run dir is made now. */
+		return gh_remote_init_post_opt(sp);
+	default:
 		return 0;
-	return gh_remote_user_init(sp);
+	}
 }
 #pragma GCC visibility pop

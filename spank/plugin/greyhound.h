@@ -51,6 +51,6 @@ int gh_register_options(spank_t sp);
 int gh_options_from_env(spank_t sp);
 
 /* remote.c */
-int gh_remote_user_init(spank_t sp);
+int gh_remote_init_post_opt(spank_t sp);
 
 #endif /* GREYHOUND_H */

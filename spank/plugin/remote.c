@@ -1,7 +1,8 @@
 /*
  * Remote context (slurmstepd): prepare every task of an enabled job.
  *
- * In slurm_spank_user_init, before the tasks fork, for every step (batch, srun):
+ * In slurm_spank_init_post_opt, as root before the tasks fork, for every step
+ * (batch, srun):
  *   - create the per-job run directory (mode 0700, owned by the job's user);
  *   - export GREYHOUND_* into the job's environment;
  *   - prepend the hook to LD_PRELOAD, keeping the user's own entries.
@@ -151,7 +152,7 @@ static int prepend_env(spank_t sp, const char *name, const char *entry)
 	return set_env(sp, name, updated);
 }
 
-int gh_remote_user_init(spank_t sp)
+int gh_remote_init_post_opt(spank_t sp)
 {
 	uint32_t job_id;
 	uid_t uid;
