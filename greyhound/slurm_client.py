@@ -90,6 +90,8 @@ class SlurmClient(Protocol):
 
     def hostnames(self, node_list: str) -> list[str]: ...
 
+    def listpids(self, job_step: str) -> str: ...
+
 
 def check_job_id(job_id: str | int) -> str:
     """Returns job_id as a string, or raises InputError if it is not a Slurm job id."""
@@ -182,6 +184,10 @@ class CommandLineClient:
         except SlurmError:
             return ""  # squeue fails for a job id the controller has already purged
         return out.strip().split("\n")[0] if out.strip() else ""
+
+    def listpids(self, job_step: str) -> str:
+        """Raw `scontrol listpids JOB[.STEP]` output: this host's processes of the job."""
+        return _run(["scontrol", "listpids", job_step], what=f"job {job_step}")
 
     def hostnames(self, node_list: str) -> list[str]:
         if not node_list or node_list in ("None assigned", "(null)"):

@@ -18,16 +18,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
-from greyhound.errors import InputError
+from greyhound.errors import InputError, SlurmError
+from greyhound.slurm_client import connect
 
 log = logging.getLogger(__name__)
 
 _PROC = Path("/proc")
-_SCONTROL_TIMEOUT_S = 15
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,16 +128,12 @@ def rank_pids_from_environ(*, job: str, rank: int, step: str | None) -> dict[str
 
 
 def _listpids(job: str, step: str | None) -> list[ListpidsRow]:
-    if shutil.which("scontrol") is None:
-        return []
     what = f"{job}.{step}" if step is not None else job
     try:
-        proc = subprocess.run(["scontrol", "listpids", what], capture_output=True, text=True,
-                              timeout=_SCONTROL_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.info("scontrol listpids %s failed (%s); reading /proc instead", what, exc)
+        return parse_listpids(connect().listpids(what))
+    except SlurmError as exc:
+        log.info("%s; reading /proc instead", exc)
         return []
-    return parse_listpids(proc.stdout)
 
 
 def resolve_rank(*, job: str, rank: int, step: str | None = None) -> tuple[str, list[int]]:
