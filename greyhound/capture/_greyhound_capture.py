@@ -18,8 +18,14 @@ batch_isend_irecv, barrier) and writes one record per call through the hook's
 - Communicator ids: FNV-1a over the group's global ranks (int32, little-endian, in
   group rank order), then over the n-th group of the same members seen by this
   process: the scheme of spank/hook/mpi.c.
-- DDP's gradient all-reduce runs in C++ (the reducer) and is not seen, unless a
-  Python comm hook issues it through dist.all_reduce.
+- DistributedDataParallel's gradient all-reduce runs in C++ (the reducer), out of
+  sight of the wrappers. So on its first forward a DDP model that has no comm hook
+  gets one that does what the reducer would (scale by 1/world size, all_reduce,
+  hand back the future) and writes one AllReduce record per gradient bucket: bytes
+  = the bucket's, start at issue, end when its future completes (on the thread
+  that completes it; the ring takes several producers). A comm hook the program
+  registers, before or after that, is wrapped instead to record its buckets the
+  same way. Any failure there leaves the model as torch built it (see _DDP).
 
 This file is installed next to sitecustomize.py and must not import greyhound:
 it runs in any Python that has torch. Any failure leaves torch untouched.
@@ -34,7 +40,9 @@ import itertools
 import os
 import struct
 import sys
+import threading
 import time
+import weakref
 
 # Mirrors enum gh_op / GH_F_* in spank/hook/gh_ring.h (checked by tests/test_hook_layout.py).
 OP_ALLREDUCE, OP_REDUCESCATTER, OP_ALLGATHER, OP_BROADCAST, OP_REDUCE = 1, 2, 3, 4, 5
@@ -402,6 +410,324 @@ def _wrap_batch(fn, hook: _Hook, dc10d):
     return wrapper
 
 
+# --- DistributedDataParallel -------------------------------------------------------
+
+_DDP_MODULE = "torch.nn.parallel.distributed"
+_logged: set = set()
+
+
+def _log_once(what: str, exc: BaseException | None = None) -> None:
+    """One line on stderr per kind of problem; the program goes on unrecorded."""
+    if what in _logged:
+        return
+    _logged.add(what)
+    why = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+    try:
+        sys.stderr.write(f"greyhound: capture: {what}{why}; DDP runs as torch built it\n")
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class _DDPState:
+    """What the capture did to one DDP model; also the state its comm hook gets.
+
+    mode: "ours" (our hook holds the reducer's one hook slot), "user" (the program
+    registered a hook before the first forward), "off" (left alone).
+    """
+
+    __slots__ = ("mode", "pg", "comm_id", "scale", "user", "__weakref__")
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.pg = None
+        self.comm_id = 0
+        self.scale = 1.0
+        self.user = None        # (state, hook) registered after ours: ours hands over
+
+
+def _first(fut):
+    return fut.value()[0]
+
+
+class _DDP:
+    """Patches DistributedDataParallel (the class, once) so that its buckets are recorded.
+
+    Exactness: without a comm hook the reducer copies each gradient into its
+    bucket multiplied by 1/world size (at::mul_out with a wrapped double scalar);
+    our hook multiplies the bucket in place by the same scalar, which gives the
+    same bits. (With gradient_as_bucket_view, a gradient that already is the
+    bucket's view is divided instead, which differs from the multiplication
+    unless the world size is a power of two: such models are left alone.)
+    Models the hook cannot stand in for exactly are left alone too: the
+    compiled-autograd python reducer, models whose parameters all skip the
+    reducer, sparse gradients, join contexts, NCCL seen by the C hook.
+    """
+
+    def __init__(self, hook: _Hook, dc10d, dist) -> None:
+        self.hook = hook
+        self.dc10d = dc10d
+        self.register_raw = dist._register_comm_hook
+        fn = dc10d.all_reduce
+        self.all_reduce = getattr(fn, "__greyhound_wrapped__", fn)  # ours is not nested
+        self.states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.lock = threading.Lock()
+
+    # The patched methods. Each keeps torch's own behaviour when anything fails.
+
+    def patch_class(self, cls) -> None:
+        if getattr(cls, "__greyhound_ddp__", False):
+            return
+        ddp = self
+        forward = cls.forward
+        register = cls.register_comm_hook
+        builtin = getattr(cls, "_register_builtin_comm_hook", None)
+
+        @functools.wraps(forward)
+        def greyhound_forward(model, *args, **kwargs):
+            if model not in ddp.states:
+                ddp.start(model)
+            return forward(model, *args, **kwargs)
+
+        @functools.wraps(register)
+        def greyhound_register_comm_hook(model, state, hook):
+            st = ddp.states.get(model)
+            wrapped = ddp.recording(model, hook)
+            if st is not None and st.mode == "ours" and st.user is None:
+                # Our hook holds the reducer's slot (torch allows one, at any time):
+                # what register_comm_hook does, except the reducer call, then ours
+                # hands every bucket to the program's hook.
+                model._check_comm_hook(hook)     # the program's errors stay its own
+                try:
+                    model.logger._set_comm_hook_name(hook.__qualname__)
+                    model._comm_hooks.append((hook, state))
+                except Exception as exc:  # noqa: BLE001  (bookkeeping only)
+                    _log_once("cannot note a DDP comm hook", exc)
+                st.user = (state, wrapped)
+                return None
+            result = register(model, state, wrapped)
+            if st is None:
+                ddp.states[model] = _DDPState("user")
+            return result
+
+        cls.forward = greyhound_forward
+        cls.register_comm_hook = greyhound_register_comm_hook
+        if builtin is not None:
+            @functools.wraps(builtin)
+            def greyhound_register_builtin_comm_hook(model, comm_hook_type):
+                st = ddp.states.get(model)
+                if st is not None and st.mode == "ours" and st.user is None:
+                    ddp.builtin_after_ours(model, st, comm_hook_type)
+                    return None
+                result = builtin(model, comm_hook_type)
+                if st is None:
+                    ddp.states[model] = _DDPState("user")
+                return result
+
+            cls._register_builtin_comm_hook = greyhound_register_builtin_comm_hook
+        cls.__greyhound_ddp__ = True
+
+    def builtin_after_ours(self, model, st: _DDPState, comm_hook_type) -> None:
+        """A built-in (C++) hook asked for after ours took the slot: its Python twin."""
+        name = str(comm_hook_type)
+        model.logger._set_comm_hook_name(name)
+        if name.endswith("FP16_COMPRESS"):
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            st.user = (st.pg, self.recording(model, default_hooks.fp16_compress_hook))
+        elif not name.endswith("ALLREDUCE"):   # ALLREDUCE: ours already is it
+            raise RuntimeError(f"greyhound cannot stand in for built-in comm hook {name}")
+
+    # Deciding, on the first forward.
+
+    def start(self, model) -> None:
+        try:
+            import torch
+            if torch.compiler.is_compiling():
+                return              # decided on an eager forward, if there is one
+        except Exception:  # noqa: BLE001
+            pass
+        with self.lock:
+            if model in self.states:
+                return
+            st = self.states[model] = _DDPState("off")
+        try:
+            why = self.unsuitable(model)
+            if why is not None:
+                return
+            pg = model.process_group
+            comm_id, size, _rank, _skip_all, _skip_cuda, _heads = self.hook.group_info(
+                self.dc10d, pg)
+            st.pg, st.comm_id, st.scale = pg, comm_id, 1.0 / size
+            self.register_raw(model.reducer, st, self.bucket_hook)
+            st.mode = "ours"
+        except Exception as exc:  # noqa: BLE001
+            _log_once("cannot record DistributedDataParallel", exc)
+
+    def unsuitable(self, model) -> str | None:
+        """Why our hook could not stand in for the reducer's all-reduce, or None."""
+        if not self.hook.active():
+            return "hook off"
+        if getattr(model, "_use_python_reducer", False):
+            return "python reducer"
+        if getattr(model, "_delay_all_reduce_all_params", False):
+            return "no reducer buckets"
+        join = getattr(model, "_join_config", None)
+        if join is not None and join.enable:
+            return "join context"   # the reducer may divide by the ranks not yet joined
+        import torch
+        for m in model.module.modules():
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
+                return "sparse gradients"
+        pg = model.process_group
+        size = pg.size()
+        if getattr(model, "gradient_as_bucket_view", False) and size & (size - 1):
+            return "gradient_as_bucket_view with a world size not a power of two"
+        _c, _s, _r, skip_all, skip_cuda, _h = self.hook.group_info(self.dc10d, pg)
+        if skip_all or (skip_cuda and any(p.is_cuda for p in model.module.parameters())):
+            return "recorded by the C hook"
+        return None
+
+    # The hooks.
+
+    def bucket_hook(self, st: _DDPState, bucket):
+        """The reducer's all-reduce, recorded (registered on the model's reducer)."""
+        user = st.user
+        if user is not None:
+            return user[1](user[0], bucket)
+        buf = bucket.buffer()
+        buf.mul_(st.scale)
+        token = self.issue()
+        try:
+            fut = self.all_reduce(buf, group=st.pg, async_op=True).get_future()
+        finally:
+            self.issued(token)
+        return self.completed(fut, token, st.comm_id, buf, first=True)
+
+    def recording(self, model, hook):
+        """The program's comm hook, wrapped to record each bucket; hook itself if not."""
+        try:
+            if (not callable(hook) or getattr(model, "_use_python_reducer", False)
+                    or not self.hook.active()):
+                return hook
+            capture = self
+            pg = model.process_group    # (not the model: the reducer keeps this hook)
+
+            @functools.wraps(hook)
+            def greyhound_recording_hook(state, bucket):
+                try:
+                    comm_id = capture.hook.group_info(capture.dc10d, pg)[0]
+                    buf = bucket.buffer()
+                    token = capture.issue()
+                except Exception as exc:  # noqa: BLE001
+                    _log_once("cannot record a DDP comm hook", exc)
+                    return hook(state, bucket)
+                try:
+                    fut = hook(state, bucket)
+                finally:
+                    capture.issued(token)
+                return capture.completed(fut, token, comm_id, buf, first=False)
+
+            # (functools.wraps: DDP inspects the signature and names the hook)
+            greyhound_recording_hook.__greyhound_wrapped__ = hook
+            return greyhound_recording_hook
+        except Exception as exc:  # noqa: BLE001
+            _log_once("cannot record a DDP comm hook", exc)
+            return hook
+
+    def issue(self):
+        """Before a bucket's communication: the pause gate, and this thread marked busy
+        so the captured calls inside are not recorded twice. (begun, t_start)"""
+        begun = 0
+        try:
+            if self.hook.active():
+                begun = self.hook.begin()
+                if begun & 1:
+                    self.hook.gate()
+        except Exception as exc:  # noqa: BLE001
+            _log_once("cannot record a DDP bucket", exc)
+        return begun, time.monotonic_ns()
+
+    def issued(self, token) -> None:
+        if token[0]:
+            self.hook.end()       # nothing staged: the record comes at completion
+
+    def completed(self, fut, token, comm_id: int, buf, *, first: bool):
+        """The future to give the reducer: fut's value (its first element if first)
+        once the bucket's record is written. The record is written on whichever
+        thread completes fut, before anything waiting on the reducer's future runs,
+        so it precedes whatever the program does after backward()."""
+        try:
+            if not self.hook.on:
+                raise LookupError("recording is off")
+            nbytes = buf.numel() * buf.element_size()
+            t0 = token[1]
+            record = self.hook.record
+        except Exception as exc:  # noqa: BLE001
+            if not isinstance(exc, LookupError):
+                _log_once("cannot record a DDP bucket", exc)
+            return fut.then(_first) if first else fut
+
+        def done(f):
+            t1 = time.monotonic_ns()
+            try:
+                value = f.value()
+            except BaseException:
+                _record_quietly(record, comm_id, nbytes, t0, t1, F_ERROR)
+                raise             # the reducer sees the error, as without us
+            _record_quietly(record, comm_id, nbytes, t0, t1, 0)
+            return value[0] if first else value
+
+        return fut.then(done)
+
+
+def _record_quietly(record, comm_id: int, nbytes: int, t0: int, t1: int, flags: int) -> None:
+    try:
+        record(OP_ALLREDUCE, comm_id, -1, nbytes, t0, t1, flags, 0)
+    except Exception as exc:  # noqa: BLE001
+        _log_once("cannot record a DDP bucket", exc)
+
+
+def _patch_ddp_when_loaded(ddp: _DDP) -> None:
+    """Patches DistributedDataParallel now if its module is loaded, else on its import."""
+    module = sys.modules.get(_DDP_MODULE)
+    cls = getattr(module, "DistributedDataParallel", None) if module is not None else None
+    if cls is not None:
+        ddp.patch_class(cls)
+        return
+    if module is not None:
+        return                    # half imported (a cycle): not safe to patch
+    import importlib.abc
+    import importlib.util
+
+    class Loader(importlib.abc.Loader):
+        def __init__(self, loader) -> None:
+            self._loader = loader
+
+        def create_module(self, spec):
+            return self._loader.create_module(spec)
+
+        def exec_module(self, module) -> None:
+            self._loader.exec_module(module)
+            try:
+                ddp.patch_class(module.DistributedDataParallel)
+            except Exception as exc:  # noqa: BLE001
+                _log_once("cannot patch DistributedDataParallel", exc)
+
+        def __getattr__(self, name):
+            return getattr(self._loader, name)
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != _DDP_MODULE:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is not None and spec.loader is not None:
+                spec.loader = Loader(spec.loader)
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
 def patch(dist) -> bool:
     """Wraps torch.distributed's calls (module passed in); False if nothing was done."""
     hook_lib = _load_hook()
@@ -424,4 +750,8 @@ def patch(dist) -> bool:
         setattr(dc10d, name, wrapped)
         if getattr(dist, name, None) is fn:
             setattr(dist, name, wrapped)
+    try:
+        _patch_ddp_when_loaded(_DDP(hook, dc10d, dist))
+    except Exception as exc:  # noqa: BLE001
+        _log_once("cannot patch DistributedDataParallel", exc)
     return True

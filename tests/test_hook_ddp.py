@@ -1,0 +1,137 @@
+"""DistributedDataParallel (gloo, 2 ranks) recorded through sitecustomize, unchanged.
+
+tests/hook_progs/torch_ddp.py trains five models with a dist.barrier() after each
+step; it runs once plainly and once with the capture. Results must be the same
+bits, and each rank's ring must hold one AllReduce per gradient bucket per step,
+with the bucket sizes DDP itself reports.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from greyhound.capture._greyhound_capture import FNV_OFFSET, fnv1a_i32
+from greyhound.ring import OP, RingReader, op_names
+from hook_support import PYTHON, ROOT, base_env, hook_lib, run
+
+torch = pytest.importorskip("torch")
+PROG = str(ROOT / "tests" / "hook_progs" / "torch_ddp.py")
+CAPTURE = ROOT / "greyhound" / "capture"
+STEPS = {"default": 4, "user": 3, "late": 3, "broken": 2, "norecord": 2}   # as in PROG
+WORLD_ID = fnv1a_i32(fnv1a_i32(FNV_OFFSET, [0, 1]), [0])
+SKEW_NS = 200_000   # the hook's TSC clock against CLOCK_MONOTONIC, generously
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_pair(out_dir, env):
+    port = str(_free_port())
+    procs = [subprocess.Popen([PYTHON, PROG, str(r), "2", port, str(out_dir)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    return {r: json.loads((out_dir / f"out.{r}.json").read_text()) for r in (0, 1)}, outs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    env = base_env(run_dir, hook_lib(), PYTHONPATH=str(CAPTURE))
+    captured, outs = _run_pair(tmp_path_factory.mktemp("out"), env)
+    plain, plain_outs = _run_pair(tmp_path_factory.mktemp("out"), base_env(None))
+    return run_dir, captured, outs, plain, plain_outs
+
+
+def _steps(run_dir, rank):
+    """{model: [records of each step]}: the ring split at the Barrier records."""
+    with RingReader(run_dir / f"ring.{rank}") as ring:
+        recs = ring.read().records
+    recs = recs[recs["op"] != OP["CommInit"]]
+    names = op_names(recs)
+    steps, cur, prev_barrier_end = [], [], 0
+    for rec, name in zip(recs, names, strict=True):
+        if name == "Barrier":
+            for r in cur:  # issued after the last step ended, complete before this one
+                assert r["t_start_ns"] + SKEW_NS >= prev_barrier_end
+                assert r["t_end_ns"] <= rec["t_start_ns"] + SKEW_NS
+            steps.append(cur)
+            cur, prev_barrier_end = [], int(rec["t_end_ns"])
+        else:
+            assert name == "AllReduce"
+            cur.append(rec)
+    assert cur == []
+    assert len(steps) == sum(STEPS.values())
+    out, i = {}, 0
+    for model, n in STEPS.items():
+        out[model], i = steps[i:i + n], i + n
+    return out
+
+
+def test_results_are_the_same_bits(runs):
+    _, captured, _, plain, _ = runs
+    for rank in (0, 1):
+        for model in STEPS:
+            assert captured[rank][model]["params"] == plain[rank][model]["params"], model
+            assert captured[rank][model]["hook_calls"] == plain[rank][model]["hook_calls"]
+    # The ranks agree (the all-reduce happened) and the program's own hooks ran.
+    assert captured[0] == captured[1]
+    assert captured[0]["user"]["hook_calls"] == 1 + 2 * (STEPS["user"] - 1)
+    assert captured[0]["late"]["hook_calls"] == 2 * (STEPS["late"] - 1)
+
+
+def test_failures_fall_back_with_one_line_each(runs):
+    _, _, outs, _, plain_outs = runs
+    assert all(out == err == "" for out, err in plain_outs)
+    for out, err in outs:
+        assert out == ""
+        lines = err.splitlines()
+        assert [line.split(":")[:3] for line in lines] == [
+            ["greyhound", " capture", " cannot record DistributedDataParallel"],
+            ["greyhound", " capture", " cannot record a DDP bucket"]]
+        assert "injected failure (broken)" in lines[0]
+        assert "injected failure (norecord)" in lines[1]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_record_per_bucket_per_step(runs, rank):
+    run_dir, captured, _, _, _ = runs
+    steps = _steps(run_dir, rank)
+    for model in ("default", "user", "late"):
+        info = captured[rank][model]
+        first, rebuilt = info["bucket_sizes"], info["rebuilt_bucket_sizes"]
+        assert len(rebuilt) == 2 and sum(first) == sum(rebuilt) == info["grad_bytes"]
+        for i, recs in enumerate(steps[model]):
+            # DDP rebuilds its buckets before the second forward; gloo may finish
+            # them out of order.
+            want = first if i == 0 else rebuilt
+            assert sorted(int(r["size_bytes"]) for r in recs) == sorted(want), (model, i)
+            for r in recs:
+                assert (int(r["comm_id"]), int(r["peer"]), int(r["flags"]),
+                        int(r["source"])) == (WORLD_ID, -1, 0, 3)
+                assert r["t_end_ns"] >= r["t_start_ns"] > 0
+    # The program's hook is recorded for each of its calls; before it came, ours.
+    assert sum(map(len, steps["user"])) == captured[rank]["user"]["hook_calls"]
+    assert sum(map(len, steps["late"][1:])) == captured[rank]["late"]["hook_calls"]
+    # Set-up failed: DDP untouched, nothing recorded. Recording failed: nothing either.
+    assert all(recs == [] for recs in steps["broken"] + steps["norecord"])
+
+
+def test_ddp_untouched_without_greyhound(tmp_path):
+    code = ("import torch.nn.parallel as p; "
+            "print(getattr(p.DistributedDataParallel, '__greyhound_ddp__', False))")
+    proc = run([PYTHON, "-c", code], base_env(None, None, PYTHONPATH=str(CAPTURE)))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "False\n", "")
+    proc = run([PYTHON, "-c", code], base_env(tmp_path, hook_lib(), PYTHONPATH=str(CAPTURE)))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "True\n", "")
+    assert list(tmp_path.iterdir()) == []   # and no ring until something communicates
