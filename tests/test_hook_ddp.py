@@ -1,9 +1,10 @@
 """DistributedDataParallel (gloo, 2 ranks) recorded through sitecustomize, unchanged.
 
 tests/hook_progs/torch_ddp.py trains five models with a dist.barrier() after each
-step; it runs once plainly and once with the capture. Results must be the same
-bits, and each rank's ring must hold one AllReduce per gradient bucket per step,
-with the bucket sizes DDP itself reports.
+step, then two with uneven inputs in a Join context (one barrier after each); it
+runs once plainly and once with the capture. Results must be the same bits, and
+each rank's ring must hold one AllReduce per gradient bucket per step, with the
+bucket sizes DDP itself reports.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ torch = pytest.importorskip("torch")
 PROG = str(ROOT / "tests" / "hook_progs" / "torch_ddp.py")
 CAPTURE = ROOT / "greyhound" / "capture"
 STEPS = {"default": 4, "user": 3, "late": 3, "broken": 2, "norecord": 2}   # as in PROG
+JOINS = ("join", "join_live")      # then these: rank 0 trains 3 steps, rank 1 2
 WORLD_ID = fnv1a_i32(fnv1a_i32(FNV_OFFSET, [0, 1]), [0])
 SKEW_NS = 200_000   # the hook's TSC clock against CLOCK_MONOTONIC, generously
 
@@ -54,7 +56,8 @@ def runs(tmp_path_factory):
 
 
 def _steps(run_dir, rank):
-    """{model: [records of each step]}: the ring split at the Barrier records."""
+    """{model: [records of each step]} (a join model: [all its records]): the ring
+    split at the Barrier records."""
     with RingReader(run_dir / f"ring.{rank}") as ring:
         recs = ring.read().records
     recs = recs[recs["op"] != OP["CommInit"]]
@@ -68,12 +71,12 @@ def _steps(run_dir, rank):
             steps.append(cur)
             cur, prev_barrier_end = [], int(rec["t_end_ns"])
         else:
-            assert name == "AllReduce"
+            assert name == "AllReduce" or len(steps) >= sum(STEPS.values())
             cur.append(rec)
     assert cur == []
-    assert len(steps) == sum(STEPS.values())
+    assert len(steps) == sum(STEPS.values()) + len(JOINS)
     out, i = {}, 0
-    for model, n in STEPS.items():
+    for model, n in [*STEPS.items(), *((m, 1) for m in JOINS)]:
         out[model], i = steps[i:i + n], i + n
     return out
 
@@ -81,13 +84,16 @@ def _steps(run_dir, rank):
 def test_results_are_the_same_bits(runs):
     _, captured, _, plain, _ = runs
     for rank in (0, 1):
-        for model in STEPS:
+        for model in [*STEPS, *JOINS]:
             assert captured[rank][model]["params"] == plain[rank][model]["params"], model
             assert captured[rank][model]["hook_calls"] == plain[rank][model]["hook_calls"]
     # The ranks agree (the all-reduce happened) and the program's own hooks ran.
-    assert captured[0] == captured[1]
+    assert all(captured[0][m] == captured[1][m] for m in STEPS)
     assert captured[0]["user"]["hook_calls"] == 1 + 2 * (STEPS["user"] - 1)
     assert captured[0]["late"]["hook_calls"] == 2 * (STEPS["late"] - 1)
+    # The Join models differ only in their divisor once rank 1 has joined: the
+    # capture's hook follows the reducer's.
+    assert captured[0]["join"]["params"] != captured[0]["join_live"]["params"]
 
 
 def test_failures_fall_back_with_one_line_each(runs):
@@ -125,6 +131,14 @@ def test_one_record_per_bucket_per_step(runs, rank):
     assert sum(map(len, steps["late"][1:])) == captured[rank]["late"]["hook_calls"]
     # Set-up failed: DDP untouched, nothing recorded. Recording failed: nothing either.
     assert all(recs == [] for recs in steps["broken"] + steps["norecord"])
+    # Join: both ranks reduce 3 steps of buckets (rank 1's last for a rank that
+    # has joined); Join's and DDP's own small all_reduces are recorded besides.
+    info = captured[rank]["default"]    # the same network (logged on every rank)
+    sizes = set(info["bucket_sizes"] + info["rebuilt_bucket_sizes"])
+    for model in JOINS:
+        buckets = [int(r["size_bytes"]) for r in steps[model][0]
+                   if r["op"] == OP["AllReduce"] and int(r["size_bytes"]) in sizes]
+        assert sorted(buckets) == sorted(info["bucket_sizes"] + 2 * info["rebuilt_bucket_sizes"])
 
 
 def test_ddp_untouched_without_greyhound(tmp_path):

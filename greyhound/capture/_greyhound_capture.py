@@ -435,14 +435,33 @@ class _DDPState:
     registered a hook before the first forward), "off" (left alone).
     """
 
-    __slots__ = ("mode", "pg", "comm_id", "scale", "user", "__weakref__")
+    __slots__ = ("mode", "model", "pg", "comm_id", "scale", "user", "join_work",
+                 "join_scale", "__weakref__")
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, model=None) -> None:
         self.mode = mode
+        self.model = weakref.ref(model) if model is not None else None
         self.pg = None
         self.comm_id = 0
         self.scale = 1.0
         self.user = None        # (state, hook) registered after ours: ours hands over
+        self.join_work = None   # this forward's count of ranks not joined (Join)
+        self.join_scale = None
+
+    def bucket_scale(self) -> float:
+        """What the reducer would multiply this backward's gradients by: 1/world
+        size, or under Join(divide_by_initial_world_size=False) 1/the ranks that
+        have not joined, which the all_reduce Join issued in this forward counts."""
+        work = self.join_work
+        if work is None:
+            return self.scale
+        model = self.model() if self.model is not None else None
+        if (model is None or not model._join_config.enable
+                or model._divide_by_initial_world_size):
+            return self.scale
+        if self.join_scale is None:   # (the future's value: Work.result() warns)
+            self.join_scale = 1.0 / int(work.get_future().wait()[0].item())
+        return self.join_scale
 
 
 def _first(fut):
@@ -460,7 +479,7 @@ class _DDP:
     unless the world size is a power of two: such models are left alone.)
     Models the hook cannot stand in for exactly are left alone too: the
     compiled-autograd python reducer, models whose parameters all skip the
-    reducer, sparse gradients, join contexts, NCCL seen by the C hook.
+    reducer, sparse gradients, NCCL seen by the C hook.
     """
 
     def __init__(self, hook: _Hook, dc10d, dist) -> None:
@@ -524,7 +543,41 @@ class _DDP:
                 return result
 
             cls._register_builtin_comm_hook = greyhound_register_builtin_comm_hook
+        join = sys.modules.get("torch.distributed.algorithms.join")
+        if join is not None:
+            self.patch_join(join.Join)
         cls.__greyhound_ddp__ = True
+
+    def patch_join(self, join_cls) -> None:
+        """Join.notify_join_context hands its all_reduce's Work to the reducer, which
+        takes only torch's own Work, not the capture's _Work proxy: the call inside
+        runs unrecorded (begin() marks the thread busy), its Work as torch made it."""
+        notify = join_cls.__dict__.get("notify_join_context")
+        if not isinstance(notify, staticmethod) or hasattr(notify.__func__,
+                                                           "__greyhound_wrapped__"):
+            return
+        fn, hook, ddp = notify.__func__, self.hook, self
+
+        @functools.wraps(fn)
+        def notify_join_context(joinable):
+            begun = hook.begin() if hook.active() else 0
+            try:
+                if begun & 1:
+                    hook.gate()
+                work = fn(joinable)
+            finally:
+                if begun:
+                    hook.end()
+            try:
+                st = ddp.states.get(joinable)
+                if st is not None:
+                    st.join_work, st.join_scale = work, None
+            except Exception as exc:  # noqa: BLE001
+                _log_once("cannot follow a DDP join", exc)
+            return work
+
+        notify_join_context.__greyhound_wrapped__ = fn
+        join_cls.notify_join_context = staticmethod(notify_join_context)
 
     def builtin_after_ours(self, model, st: _DDPState, comm_hook_type) -> None:
         """A built-in (C++) hook asked for after ours took the slot: its Python twin."""
@@ -548,7 +601,7 @@ class _DDP:
         with self.lock:
             if model in self.states:
                 return
-            st = self.states[model] = _DDPState("off")
+            st = self.states[model] = _DDPState("off", model)
         try:
             why = self.unsuitable(model)
             if why is not None:
@@ -570,9 +623,6 @@ class _DDP:
             return "python reducer"
         if getattr(model, "_delay_all_reduce_all_params", False):
             return "no reducer buckets"
-        join = getattr(model, "_join_config", None)
-        if join is not None and join.enable:
-            return "join context"   # the reducer may divide by the ranks not yet joined
         import torch
         for m in model.module.modules():
             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
@@ -594,7 +644,7 @@ class _DDP:
         if user is not None:
             return user[1](user[0], bucket)
         buf = bucket.buffer()
-        buf.mul_(st.scale)
+        buf.mul_(st.bucket_scale())
         token = self.issue()
         try:
             fut = self.all_reduce(buf, group=st.pg, async_op=True).get_future()

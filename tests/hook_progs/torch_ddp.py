@@ -10,6 +10,9 @@ parameters (exact bytes), DDP's own bucket sizes and its comm-hook call counts.
   late      the same hook registered after the first step
   broken    (with the capture loaded) its DDP set-up fails: DDP must be untouched
   norecord  (with the capture loaded) writing the records fails: results intact
+  join      uneven inputs (rank 0: 3 steps, rank 1: 2) in a Join context, one
+            barrier after it
+  join_live the same, dividing by the ranks not yet joined
 """
 import json
 import os
@@ -18,12 +21,14 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 rank, world, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                         world_size=world)
-STEPS = {"default": 4, "user": 3, "late": 3, "broken": 2, "norecord": 2}
+STEPS = {"default": 4, "user": 3, "late": 3, "broken": 2, "norecord": 2,
+         "join": 3 - rank, "join_live": 3 - rank}
 calls = {"user": 0, "late": 0}
 
 
@@ -60,16 +65,21 @@ for name, steps in STEPS.items():
         model.register_comm_hook(None, counting(name))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
-    for step in range(steps):
-        x = torch.randn(8, 16, generator=gen)
-        y = torch.randn(8, 8, generator=gen)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    joined = name.startswith("join")
+    with Join([model], enable=joined, divide_by_initial_world_size=name != "join_live"):
+        for step in range(steps):
+            x = torch.randn(8, 16, generator=gen)
+            y = torch.randn(8, 8, generator=gen)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if not joined:
+                dist.barrier()
+            if name == "late" and step == 0:
+                model.register_comm_hook(None, counting(name))
+    if joined:
         dist.barrier()
-        if name == "late" and step == 0:
-            model.register_comm_hook(None, counting(name))
     undo()
     logged = model._get_ddp_logging_data()
     out[name] = {
