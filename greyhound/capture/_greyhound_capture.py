@@ -26,6 +26,8 @@ batch_isend_irecv, barrier) and writes one record per call through the hook's
   that completes it; the ring takes several producers). A comm hook the program
   registers, before or after that, is wrapped instead to record its buckets the
   same way. Any failure there leaves the model as torch built it (see _DDP).
+  Join's per-forward all_reduce (its Work goes to the reducer, which takes no
+  proxy) is issued unrecorded.
 
 This file is installed next to sitecustomize.py and must not import greyhound:
 it runs in any Python that has torch. Any failure leaves torch untouched.
@@ -416,14 +418,15 @@ _DDP_MODULE = "torch.nn.parallel.distributed"
 _logged: set = set()
 
 
-def _log_once(what: str, exc: BaseException | None = None) -> None:
+def _log_once(what: str, exc: BaseException | None = None,
+              then: str = "DDP runs as torch built it") -> None:
     """One line on stderr per kind of problem; the program goes on unrecorded."""
     if what in _logged:
         return
     _logged.add(what)
     why = f": {type(exc).__name__}: {exc}" if exc is not None else ""
     try:
-        sys.stderr.write(f"greyhound: capture: {what}{why}; DDP runs as torch built it\n")
+        sys.stderr.write(f"greyhound: capture: {what}{why}; {then}\n")
     except Exception:  # noqa: BLE001
         pass
 
@@ -573,7 +576,8 @@ class _DDP:
                 if st is not None:
                     st.join_work, st.join_scale = work, None
             except Exception as exc:  # noqa: BLE001
-                _log_once("cannot follow a DDP join", exc)
+                _log_once("cannot follow a DDP join", exc,
+                          then="its buckets may be scaled by the world size")
             return work
 
         notify_join_context.__greyhound_wrapped__ = fn
@@ -587,7 +591,8 @@ class _DDP:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             st.user = (st.pg, self.recording(model, default_hooks.fp16_compress_hook))
         elif not name.endswith("ALLREDUCE"):   # ALLREDUCE: ours already is it
-            raise RuntimeError(f"greyhound cannot stand in for built-in comm hook {name}")
+            _log_once(f"no stand-in for built-in comm hook {name}",
+                      then="the model keeps the capture's all-reduce")
 
     # Deciding, on the first forward.
 
@@ -668,7 +673,8 @@ class _DDP:
                     buf = bucket.buffer()
                     token = capture.issue()
                 except Exception as exc:  # noqa: BLE001
-                    _log_once("cannot record a DDP comm hook", exc)
+                    _log_once("cannot record a DDP comm hook", exc,
+                              then="its buckets go unrecorded")
                     return hook(state, bucket)
                 try:
                     fut = hook(state, bucket)
@@ -680,7 +686,7 @@ class _DDP:
             greyhound_recording_hook.__greyhound_wrapped__ = hook
             return greyhound_recording_hook
         except Exception as exc:  # noqa: BLE001
-            _log_once("cannot record a DDP comm hook", exc)
+            _log_once("cannot record a DDP comm hook", exc, then="its buckets go unrecorded")
             return hook
 
     def issue(self):
@@ -693,7 +699,7 @@ class _DDP:
                 if begun & 1:
                     self.hook.gate()
         except Exception as exc:  # noqa: BLE001
-            _log_once("cannot record a DDP bucket", exc)
+            _log_once("cannot record a DDP bucket", exc, then="its buckets go unrecorded")
         return begun, time.monotonic_ns()
 
     def issued(self, token) -> None:
@@ -713,7 +719,7 @@ class _DDP:
             record = self.hook.record
         except Exception as exc:  # noqa: BLE001
             if not isinstance(exc, LookupError):
-                _log_once("cannot record a DDP bucket", exc)
+                _log_once("cannot record a DDP bucket", exc, then="its buckets go unrecorded")
             return fut.then(_first) if first else fut
 
         def done(f):
@@ -733,7 +739,7 @@ def _record_quietly(record, comm_id: int, nbytes: int, t0: int, t1: int, flags: 
     try:
         record(OP_ALLREDUCE, comm_id, -1, nbytes, t0, t1, flags, 0)
     except Exception as exc:  # noqa: BLE001
-        _log_once("cannot record a DDP bucket", exc)
+        _log_once("cannot record a DDP bucket", exc, then="its buckets go unrecorded")
 
 
 def _patch_ddp_when_loaded(ddp: _DDP) -> None:
