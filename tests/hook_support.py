@@ -141,3 +141,29 @@ def ready_ring(run_dir: Path, timeout: float = 60.0) -> Path:
             raise AssertionError(f"no ready ring in {run_dir} after {timeout} s")
         time.sleep(0.005)
 
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a torch.distributed rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torch_pair(prog: str, out_dir: Path, env: dict) -> tuple[dict, list]:
+    """Runs a 2-rank torch program (argv: rank, world size, port, out dir) to the end.
+
+    Returns each rank's out.<rank>.json and the (stdout, stderr) of both processes.
+    """
+    import json
+
+    port = str(free_port())
+    procs = [subprocess.Popen([PYTHON, prog, str(r), "2", port, str(out_dir)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    return {r: json.loads((out_dir / f"out.{r}.json").read_text()) for r in (0, 1)}, outs

@@ -9,14 +9,12 @@ bucket sizes DDP itself reports.
 
 from __future__ import annotations
 
-import json
-import subprocess
 
 import pytest
 
 from greyhound.capture._greyhound_capture import FNV_OFFSET, fnv1a_i32
 from greyhound.ring import OP, RingReader, op_names
-from hook_support import PYTHON, ROOT, base_env, hook_lib, run
+from hook_support import PYTHON, ROOT, base_env, hook_lib, run, run_torch_pair
 
 torch = pytest.importorskip("torch")
 PROG = str(ROOT / "tests" / "hook_progs" / "torch_ddp.py")
@@ -27,31 +25,12 @@ WORLD_ID = fnv1a_i32(fnv1a_i32(FNV_OFFSET, [0, 1]), [0])
 SKEW_NS = 200_000   # the hook's TSC clock against CLOCK_MONOTONIC, generously
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_pair(out_dir, env):
-    port = str(_free_port())
-    procs = [subprocess.Popen([PYTHON, PROG, str(r), "2", port, str(out_dir)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err
-    return {r: json.loads((out_dir / f"out.{r}.json").read_text()) for r in (0, 1)}, outs
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     env = base_env(run_dir, hook_lib(), PYTHONPATH=str(CAPTURE))
-    captured, outs = _run_pair(tmp_path_factory.mktemp("out"), env)
-    plain, plain_outs = _run_pair(tmp_path_factory.mktemp("out"), base_env(None))
+    captured, outs = run_torch_pair(PROG, tmp_path_factory.mktemp("out"), env)
+    plain, plain_outs = run_torch_pair(PROG, tmp_path_factory.mktemp("out"), base_env(None))
     return run_dir, captured, outs, plain, plain_outs
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import socket
 import subprocess
 
 import numpy as np
@@ -11,36 +9,19 @@ import pytest
 
 from greyhound.capture._greyhound_capture import FNV_OFFSET, fnv1a_i32
 from greyhound.ring import F_ASYNC, F_GROUPED, OP, RingReader, op_names, ring_paths
-from hook_support import PYTHON, ROOT, base_env, hook_lib, run
+from hook_support import PYTHON, ROOT, base_env, free_port, hook_lib, run, run_torch_pair
 
 torch = pytest.importorskip("torch")
 PROG = str(ROOT / "tests" / "hook_progs" / "torch_ops.py")
 CAPTURE = ROOT / "greyhound" / "capture"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_pair(run_dir, out_dir, env):
-    port = str(free_port())
-    procs = [subprocess.Popen([PYTHON, PROG, str(r), "2", port, str(out_dir)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err
-    return {r: json.loads((out_dir / f"out.{r}.json").read_text()) for r in (0, 1)}, outs
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     env = base_env(run_dir, hook_lib(), PYTHONPATH=str(CAPTURE))
-    with_capture, outs = run_pair(run_dir, tmp_path_factory.mktemp("out"), env)
-    plain, _ = run_pair(None, tmp_path_factory.mktemp("out"), base_env(None))
+    with_capture, outs = run_torch_pair(PROG, tmp_path_factory.mktemp("out"), env)
+    plain, _ = run_torch_pair(PROG, tmp_path_factory.mktemp("out"), base_env(None))
     return run_dir, with_capture, plain, outs
 
 
