@@ -27,7 +27,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from postmortem.model import COMPUTE_CODES, GC_CODE, Model
+from postmortem.model import COMPUTE_CODES, Model
 
 ESTIMATORS = ("robust", "mean")
 

@@ -82,7 +82,6 @@ def test_damaged_step_is_dropped_and_reported(tmp_path):
     dur = trace.ops["duration"].copy()
     step = trace.ops["step"]
     dur[np.flatnonzero(step == 2)[3]] = np.nan
-    start = trace.ops["start"]
     keep = ~((step == 4) & (trace.ops["optype"] == optype_code("backward-compute")) & (trace.ops["dp_rank"] == 0))
     ops = {k: v[keep] for k, v in {**trace.ops, "duration": dur}.items()}
     p = tmp_path / "d.h5"

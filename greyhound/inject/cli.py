@@ -57,7 +57,7 @@ def _execute(ctx: click.Context, plans: list[schedule.Planned], truth: str | Non
     if guard.signum is not None:
         name = signal.Signals(guard.signum).name
         click.echo(f"greyhound: inject: stopped by {name}; every injection was undone"
-                   + (f" except as reported above" if any("undo failed" in (o.error or "") for o in failed) else ""),
+                   + (" except as reported above" if any("undo failed" in (o.error or "") for o in failed) else ""),
                    err=True)
         for outcome in failed:
             click.echo(f"greyhound: inject: {outcome.id}: {outcome.error}", err=True)
