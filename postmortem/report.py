@@ -174,7 +174,7 @@ idealised {a.t_ideal:.4f} s</li>
 <li>M_W (top 3% workers) = {a.mw:.3f}; M_S (last stage) = {a.ms:.3f}</li>
 <li>job: DP {job['dp']} x PP {job['pp']}, {job['steps_analysed']} steps analysed, {job['ops']} ops, source {html.escape(str(job['source']))}</li>
 <li>estimator: {html.escape(a.ideal.estimator)}</li></ul>
-<h2>Dropped while loading</h2><ul>{dropped}</ul>
+<h2>Dropped or set aside while loading</h2><ul>{dropped}</ul>
 <h2>Causes</h2><ul>{causes}</ul>
 <h2>Heatmap</h2><img src="heatmap.png" alt="DP x PP heatmap">
 <h2>Per-step slowdown</h2><img src="step_slowdown.png" alt="per-step slowdown">
