@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, sacct_field
+from conftest import REPO, SlurmJob, sacct_field
 from greyhound.ring import CALL_OPS, OP, RingReader, ring_paths
 
 pytestmark = pytest.mark.cluster
@@ -127,15 +127,7 @@ def training_job(cluster, tmp_path_factory):
         capture_output=True, text=True, env=env, cwd=out, check=True, timeout=60,
     )
     job_id = proc.stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 400
-    while time.monotonic() < deadline:
-        state = sacct_field(job_id, "State").split()
-        if state and state[0] not in ("PENDING", "RUNNING", "COMPLETING"):
-            break
-        time.sleep(1)
-    else:
-        subprocess.run(["scancel", job_id], check=False)
-        pytest.fail(f"training job {job_id} did not end in time")
+    SlurmJob(job_id, out / "job.out").wait(400)
     ended = time.monotonic()
     return job_id, out, ended
 

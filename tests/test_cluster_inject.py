@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, sacct_field
+from conftest import REPO, SlurmJob
 
 pytestmark = pytest.mark.cluster
 
@@ -66,17 +66,6 @@ def wait_steps(out: Path, n: int, timeout_s: float = 240) -> int:
     return steps_done(out)
 
 
-def wait_end(job_id: str, timeout_s: float = 300) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = sacct_field(job_id, "State").split()
-        if state and state[0] not in ("PENDING", "RUNNING", "COMPLETING"):
-            return state[0]
-        time.sleep(1)
-    subprocess.run(["scancel", job_id], check=False)
-    raise AssertionError(f"job {job_id} did not end")
-
-
 def inject_and_measure(out: Path, job_id: str, inject_args: list[str], truth: Path) -> dict[str, float]:
     """Median step time before, during and after an injection of 10 s."""
     n0 = wait_steps(out, 10)
@@ -84,7 +73,7 @@ def inject_and_measure(out: Path, job_id: str, inject_args: list[str], truth: Pa
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     n1 = steps_done(out)
-    assert wait_end(job_id) == "COMPLETED", (out / "job.out").read_text()
+    assert SlurmJob(job_id, out / "job.out").wait(300) == "COMPLETED", (out / "job.out").read_text()
     times = [json.loads(line)["step_time"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     # Skip the warm-up step and the steps the injection's edges cut through.
     before, during, after = times[2:n0], times[n0 + 1:n1 - 1], times[n1 + 1:]
