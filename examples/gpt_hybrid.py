@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     dat.add_argument("--seqlen-dist", choices=SEQLEN_DISTRIBUTIONS, default="uniform")
     dat.add_argument("--seqlen-sigma", type=float, default=0.8, help="lognormal spread")
     out = p.add_argument_group("output")
-    out.add_argument("--metrics", metavar="FILE", default=None, help="JSON lines {step, loss, step_time}")
+    out.add_argument("--metrics", metavar="FILE", default=None, help="JSON lines {step, loss, step_time, tokens, time}")
     out.add_argument("--trace", metavar="DIR", default=None, help="timeline trace dir (merged to DIR/trace.h5)")
     out.add_argument("--trace-every", type=int, default=10, help="record every n-th step")
     out.add_argument("--job-id", default=None, help="job id for the trace (default SLURM_JOB_ID)")

@@ -45,7 +45,7 @@ def start_training(out: Path, *extra: str) -> str:
     env = dict(os.environ, GREYHOUND_REPO=str(REPO), OUT_DIR=str(out))
     proc = subprocess.run(
         ["sbatch", "--parsable", f"--output={out}/job.out", str(REPO / "examples/gpt_hybrid.sbatch"),
-         "--steps", "40", "--trace-every", "1000", *extra],
+         "--steps", "60", "--trace-every", "1000", *extra],
         capture_output=True, text=True, env=env, cwd=out, check=True, timeout=60,
     )
     return proc.stdout.strip().split(";")[0]
@@ -67,17 +67,26 @@ def wait_steps(out: Path, n: int, timeout_s: float = 240) -> int:
 
 
 def inject_and_measure(out: Path, job_id: str, inject_args: list[str], truth: Path) -> dict[str, float]:
-    """Median step time before, during and after an injection of 10 s."""
-    n0 = wait_steps(out, 10)
+    """Median step time before, during and after an injection of 10 s.
+
+    Steps are placed by their wall-clock end (metrics' ``time``) against the truth
+    record's start and end: the injector's own start-up and its CPU measurement take a
+    second or two, so counting steps around the injector's run would mix unslowed steps
+    into "during".
+    """
+    wait_steps(out, 10)
     proc = subprocess.run([GREYHOUND, "inject", *inject_args, "--duration", "10", "--truth", str(truth)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    n1 = steps_done(out)
     assert SlurmJob(job_id, out / "job.out").wait(300) == "COMPLETED", (out / "job.out").read_text()
-    times = [json.loads(line)["step_time"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    # Skip the warm-up step and the steps the injection's edges cut through.
-    before, during, after = times[2:n0], times[n0 + 1:n1 - 1], times[n1 + 1:]
-    assert len(during) >= 3 and len(after) >= 3, (n0, n1, len(times))
+    record = json.loads(truth.read_text().splitlines()[-1])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # Skip the warm-up steps; a step counts where it lies wholly on one side of an edge.
+    spans = [(r["time"] - r["step_time"], r["time"], r["step_time"]) for r in rows[2:]]
+    before = [d for s, e, d in spans if e < record["start"]]
+    during = [d for s, e, d in spans if s > record["start"] and e < record["end"]]
+    after = [d for s, e, d in spans if s > record["end"]]
+    assert min(map(len, (before, during, after))) >= 3, (len(before), len(during), len(after))
     result = {k: statistics.median(v) for k, v in (("before", before), ("during", during), ("after", after))}
     print(f"step time medians {inject_args[0]}: " + ", ".join(f"{k} {v:.3f}s" for k, v in result.items()))
     return result

@@ -134,7 +134,7 @@ class TrainConfig:
     threads: int = 1
     """Intra-op CPU threads per rank (1 keeps CPU ranks from oversubscribing cores)."""
     metrics: str | None = None
-    """JSON-lines file of {step, loss, step_time}, written by one rank."""
+    """JSON-lines file of {step, loss, step_time, tokens, time}, written by one rank."""
     trace_dir: str | None = None
     """Directory for the per-rank timelines; merged into trace.h5 there at the end."""
     trace_every: int = 10

@@ -174,7 +174,7 @@ def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, devi
             step_time = time.perf_counter() - t0
             if rank == metrics_rank:
                 row = {"step": step, "loss": grads.loss_sum / total_tokens, "step_time": step_time,
-                       "tokens": total_tokens}
+                       "tokens": total_tokens, "time": time.time()}
                 rows.append(row)
                 log.info("step %d loss %.6f step_time %.3fs", step, row["loss"], step_time)
                 if metrics_file is not None:
