@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from greyhound.capture._greyhound_capture import FNV_OFFSET, fnv1a_i32
-from greyhound.ring import F_ASYNC, F_GROUPED, OP, RingReader, op_names, ring_paths
+from greyhound.ring import F_ASYNC, F_ERROR, F_GROUPED, OP, RingReader, op_names, ring_paths
 from hook_support import PYTHON, ROOT, base_env, free_port, hook_lib, run, run_torch_pair
 
 torch = pytest.importorskip("torch")
@@ -130,3 +130,38 @@ def test_pause_gate_holds_captured_calls(tmp_path):
     assert np.count_nonzero(recs["op"] == OP["AllReduce"]) == 300
     pauses = recs[recs["op"] == OP["Pause"]]
     assert len(pauses) == 1 and (pauses[0]["t_end_ns"] - pauses[0]["t_start_ns"]) >= 0.3e9
+
+
+FASTPATH = ROOT / "spank" / "build" / "python" / "_greyhound_fastpath.abi3.so"
+
+
+def run_paths(run_dir, **extra):
+    run_dir.mkdir()
+    proc = run([PYTHON, str(ROOT / "tests" / "hook_progs" / "torch_paths.py"), str(free_port())],
+               base_env(run_dir, hook_lib(), PYTHONPATH=str(CAPTURE), **extra))
+    assert proc.returncode == 0, proc.stderr
+    (path,) = ring_paths(run_dir)   # ring.pid<pid>: no launcher rank here
+    with RingReader(path) as ring:
+        recs = ring.read().records
+    return proc.stdout, recs[recs["op"] != OP["CommInit"]]
+
+
+def test_c_fast_path_records_what_the_python_wrapper_records(tmp_path):
+    # scripts/setup builds the fast path (make -C spank); the 2 us target rests on it.
+    assert FASTPATH.is_file(), f"{FASTPATH} is not built (make -C spank)"
+    fast_out, fast = run_paths(tmp_path / "fast")
+    py_out, py = run_paths(tmp_path / "python", GREYHOUND_CAPTURE_FASTPATH="0")
+    assert fast_out.splitlines()[-1].startswith("FastCall ")
+    assert py_out.splitlines()[-1].startswith("function ")
+    # The same results and the same error from torch, either way.
+    assert fast_out.splitlines()[0] == py_out.splitlines()[0] == "raised TypeError"
+    assert fast_out.splitlines()[-1].split(" ", 1)[1] == py_out.splitlines()[-1].split(" ", 1)[1]
+    fields = ["op", "flags", "peer", "size_bytes", "comm_id"]
+    assert [tuple(r[f] for f in fields) for r in fast] == [tuple(r[f] for f in fields) for r in py]
+    names = op_names(fast).tolist()
+    assert names == ["AllReduce"] * 6 + ["Broadcast"] * 2 + ["AllGather", "ReduceScatter", "AllReduce",
+                                                             "Wait", "Barrier", "AllReduce"]
+    assert fast["size_bytes"].tolist()[:6] == [16, 16, 16, 16, 16, 24]
+    assert fast["flags"][-1] & F_ERROR and not (fast["flags"][:-1] & F_ERROR).any()
+    assert (fast["t_end_ns"] >= fast["t_start_ns"]).all()
+    assert len(set(fast["seq"].tolist())) == len(fast)

@@ -2,8 +2,8 @@
 
 The gloo backend communicates inside libtorch, where the LD_PRELOAD hook cannot see
 it, so this module wraps the Python API (all_reduce, reduce_scatter(_tensor),
-all_gather(_into_tensor), broadcast, reduce, send, recv, isend, irecv,
-batch_isend_irecv, barrier) and writes one record per call through the hook's
+all_gather(_into_tensor), all_gather_single, reduce_scatter_single (torch >= 2.13),
+broadcast, reduce, send, recv, isend, irecv, batch_isend_irecv, barrier) and writes one record per call through the hook's
 ``gh_py_*`` entry points: the same layout, the same ring, the same pause gate.
 
 - Times are the hook's clock (CLOCK_MONOTONIC ns), taken in gh_py_begin just before
@@ -98,6 +98,56 @@ def _load_hook():
     return None
 
 
+FASTPATH_NAME = "_greyhound_fastpath"
+
+
+def _hook_path() -> str | None:
+    """Where the preloaded (or loaded) hook library lives, from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if line.rstrip().endswith("/" + HOOK_NAME):
+                    return line.split(None, 5)[5].strip()
+    except (OSError, IndexError):
+        pass
+    return None
+
+
+def _load_fastpath(lib):
+    """The C fast path bound to lib's gh_py_begin / gh_py_end_head; None without it.
+
+    Installed, it sits beside this file (on PYTHONPATH); in a build tree, in
+    python/ next to the hook library. GREYHOUND_CAPTURE_FASTPATH=0 leaves it out.
+    """
+    if os.environ.get("GREYHOUND_CAPTURE_FASTPATH", "1") == "0":
+        return None
+    import importlib.util
+    try:
+        try:
+            import _greyhound_fastpath as fastpath
+        except ImportError:
+            hook = _hook_path()
+            if hook is None:
+                return None
+            spec = None
+            pydir = os.path.join(os.path.dirname(hook), "python")
+            for suffix in (".abi3.so", ".so"):
+                path = os.path.join(pydir, FASTPATH_NAME + suffix)
+                if os.path.exists(path):
+                    spec = importlib.util.spec_from_file_location(FASTPATH_NAME, path)
+                    break
+            if spec is None:
+                return None
+            fastpath = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(fastpath)
+        fastpath.bind(ctypes.cast(lib.gh_py_begin, ctypes.c_void_p).value,
+                      ctypes.cast(lib.gh_py_end_head, ctypes.c_void_p).value)
+        return fastpath
+    except Exception as exc:  # noqa: BLE001  (the Python wrapper does it all)
+        _log_once("cannot load the C fast path", exc, then="the Python wrapper records alone")
+        return None
+
+
 class _Hook:
     """Binding to the C hook, and what this process knows about its groups."""
 
@@ -132,6 +182,7 @@ class _Hook:
         self.req_ids = itertools.count(1)
         self.c_nccl = self._interposes("ncclAllReduce")
         self.on = None            # asked on the first call: the ring opens only then
+        self.fastpath = _load_fastpath(lib)
         os.register_at_fork(after_in_child=self._after_fork)
 
     def _interposes(self, name: str) -> bool:
@@ -228,6 +279,10 @@ _SPECS = {
     "reduce_scatter_tensor": (OP_REDUCESCATTER, ("input",), None),
     "all_gather": (OP_ALLGATHER, ("tensor_list",), None),
     "all_gather_into_tensor": (OP_ALLGATHER, ("output_tensor",), None),
+    # torch >= 2.13's names for the two above (which now call them: the inner call
+    # is not recorded again, gh_py_begin refuses a call inside a captured one).
+    "all_gather_single": (OP_ALLGATHER, ("output_tensor",), None),
+    "reduce_scatter_single": (OP_REDUCESCATTER, ("input",), None),
     "broadcast": (OP_BROADCAST, ("tensor",), "src"),
     "reduce": (OP_REDUCE, ("tensor",), "dst"),
     "send": (OP_SEND, ("tensor",), "dst"),
@@ -357,7 +412,31 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
         return result
 
     wrapper.__greyhound_wrapped__ = fn
-    return wrapper
+    if hook.fastpath is None or is_list or always_async:
+        return wrapper
+    return _fast(hook.fastpath, wrapper, fn, hook, dc10d, op=op, size_name=size_arg,
+                 i_size=pos.get(size_arg, -1), i_group=pos.get("group", -1),
+                 i_async=pos.get("async_op", -1), peer_name=peer_arg,
+                 i_peer=pos.get(peer_arg, -1),
+                 group_peer_name=("group_" + peer_arg) if peer_arg else None,
+                 i_group_peer=pos.get("group_" + peer_arg, -1) if peer_arg else -1)
+
+
+def _fast(fastpath, wrapper, fn, hook, dc10d, **spec):
+    """The C callable for wrapper's common case (spank/capture/fastpath.c), dressed
+    as functools.wraps dresses a function; the Python wrapper if that fails."""
+    try:
+        fast = fastpath.FastCall(fn=fn, slow=wrapper, hook=hook, dc10d=dc10d, **spec)
+        for name in functools.WRAPPER_ASSIGNMENTS:
+            if hasattr(fn, name):
+                setattr(fast, name, getattr(fn, name))
+        fast.__wrapped__ = fn
+        fast.__greyhound_wrapped__ = fn
+        fast.__greyhound_python__ = wrapper   # the complete wrapper (scripts/bench_hook)
+        return fast
+    except Exception as exc:  # noqa: BLE001
+        _log_once("cannot use the C fast path", exc, then="the Python wrapper records alone")
+        return wrapper
 
 
 def _head(op, flags, peer, comm_id, nbytes, req):
