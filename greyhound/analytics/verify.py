@@ -31,6 +31,14 @@ Where this departs from the paper: medians instead of means (see
 since the last *accepted* change, so a fail-slow that creeps in as a ramp of several
 small steps, each under 10%, is still caught once the level has moved 10% in all
 (the paper names that ramp as its one missed case).
+
+Two implementations, one algorithm: :class:`BocdV` (what detection runs) keeps its
+state in a compiled kernel (``_bocdv.c``) and takes iteration times one at a time or
+in batches; :class:`ReferenceBocdV` is the same loop in Python over
+:class:`~greyhound.analytics.bocd.RunLengthPosterior`, kept as the readable reference
+that the kernel is tested against. The kernel computes every expression in the
+reference's order with the same libm functions, so on CPUs where numpy calls libm for
+float64 exp/log (no AVX-512) the two agree bit for bit.
 """
 
 from __future__ import annotations
@@ -39,11 +47,23 @@ import dataclasses
 import math
 
 import numpy as np
+from scipy.special import gammaln
 
 from greyhound.analytics.bocd import BocdConfig, RunLengthPosterior
 from greyhound.analytics.changepoint import ChangePoint, RecentValues, level_ratio
 
-__all__ = ["VerifyConfig", "BocdV", "bocdv_changepoints", "check_series"]
+try:
+    from greyhound.analytics import _bocdv
+except ImportError as exc:  # an install that skipped the build, or a stale build
+    raise ImportError(
+        "greyhound: analytics: the compiled BOCD+V kernel (greyhound.analytics._bocdv) "
+        f"cannot be imported: {exc}; run scripts/setup or pip install -e ."
+    ) from exc
+
+__all__ = [
+    "VerifyConfig", "PosteriorState", "BocdV", "ReferenceBocdV", "bocdv_changepoints",
+    "check_series",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,8 +118,129 @@ def check_series(x: np.ndarray) -> np.ndarray:
     return x
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PosteriorState:
+    """A snapshot of the run-length posterior (for tests and debugging)."""
+
+    t: int
+    """Index of the last observation (-1 before the first)."""
+    starts: np.ndarray
+    """(num_hypotheses,) int64 start of each hypothesis, in slot order."""
+    probs: np.ndarray
+    """(num_hypotheses,) posterior probability of each start."""
+    noise_scale: float
+    """Current jitter estimate (std of log time)."""
+
+
 class BocdV:
-    """Online BOCD+V: feed iteration times one at a time with :meth:`update`."""
+    """Online BOCD+V (the compiled kernel): :meth:`update` one iteration time, or
+    :meth:`feed` a batch (a node agent's poll); the state carries over between calls,
+    and any split of a series into batches reports the same change points.
+
+    Args:
+        bocd: BOCD parameters.
+        verify: verification parameters.
+        exact_math: compute exp/log/log1p with libm's scalar functions, as numpy does,
+            instead of glibc's 4-lane libmvec ones (used where the CPU has AVX2+FMA;
+            within 4 ulp; ~2x faster overall). Then the posterior is bit-identical to
+            :class:`ReferenceBocdV`'s where numpy calls libm (tests); otherwise it
+            agrees to ~1e-13 and the change points are the same.
+    """
+
+    def __init__(
+        self,
+        *,
+        bocd: BocdConfig | None = None,
+        verify: VerifyConfig | None = None,
+        exact_math: bool = False,
+    ) -> None:
+        self.bocd = bocd or BocdConfig()
+        self.verify = verify or VerifyConfig()
+        c, v = self.bocd, self.verify
+        # Constants computed exactly as RunLengthPosterior computes them.
+        self._kernel = _bocdv.Kernel(
+            log_h=math.log(1.0 / c.expected_run),
+            log_1mh=math.log1p(-1.0 / c.expected_run),
+            log_eps=math.log(c.outlier_prob),
+            log_1m_eps=math.log1p(-c.outlier_prob),
+            logpred0_base=float(
+                gammaln(c.alpha0 + 0.5) - gammaln(c.alpha0)
+                - 0.5 * math.log(2.0 * c.alpha0 * math.pi * (c.kappa0 + 1.0) / c.kappa0)
+            ),
+            prune_factor=math.exp(c.prune_log),
+            kappa0=c.kappa0, alpha0=c.alpha0, noise_default=c.noise_default,
+            noise_floor=c.noise_floor, clip=c.clip, threshold=c.threshold,
+            max_hypotheses=c.max_hypotheses, noise_window=c.noise_window,
+            noise_min_samples=c.noise_min_samples,
+            min_change=v.min_change, keep_prob=v.keep_prob, min_after=v.min_after,
+            max_pending=v.max_pending, before_window=v.before_window,
+            creep_window=v.creep_window, creep_every=v.creep_every,
+            lg_table=self._lg_table, exact_math=exact_math,
+        )
+
+    def _lg_table(self, size: int) -> np.ndarray:
+        """gammaln(alpha + 1/2) - gammaln(alpha), alpha = alpha0 + n/2, n < size: the
+        kernel asks for it as its oldest hypothesis ages (doubling), so its values are
+        scipy's, as the reference's."""
+        alpha = self.bocd.alpha0 + 0.5 * np.arange(size)
+        return np.ascontiguousarray(gammaln(alpha + 0.5) - gammaln(alpha))
+
+    @property
+    def pending(self) -> int | None:
+        """Start of the candidate being verified, if any."""
+        return self._kernel.pending
+
+    @property
+    def math(self) -> str:
+        """exp/log/log1p in use: "libm" or "libmvec-avx2"."""
+        return self._kernel.math
+
+    @property
+    def count(self) -> int:
+        """Iteration times added so far (the next one has this index)."""
+        return self._kernel.count
+
+    def update(self, x: float) -> ChangePoint | None:
+        """Add the next iteration time (seconds, > 0); returns an accepted change point."""
+        cp = self._kernel.update(x)
+        return None if cp is None else _change_point(cp)
+
+    def feed(self, xs: np.ndarray) -> list[ChangePoint]:
+        """Add the next iteration times; returns the change points accepted meanwhile.
+
+        Args:
+            xs: (n,) iteration times in seconds, finite and > 0. All are checked before
+                any is added, so a bad batch leaves the state as it was.
+
+        Returns:
+            Accepted change points in order of ``detected_at``.
+        """
+        xs = np.ascontiguousarray(check_series(xs))
+        return [_change_point(cp) for cp in self._kernel.feed(xs)]
+
+    def posterior_state(self) -> PosteriorState:
+        """The run-length posterior now, as :meth:`ReferenceBocdV.posterior_state`."""
+        t, starts, probs, sigma = self._kernel.posterior()
+        return PosteriorState(
+            t=t, starts=np.array(starts, dtype=np.int64), probs=np.array(probs),
+            noise_scale=sigma,
+        )
+
+
+def _change_point(cp: tuple[int, int, float, float]) -> ChangePoint:
+    index, detected_at, before, after = cp
+    return ChangePoint(index=index, detected_at=detected_at, before=before, after=after)
+
+
+class ReferenceBocdV:
+    """BOCD+V in Python, one iteration time at a time: the reference.
+
+    This is the readable statement of the algorithm (module docstring, and
+    :class:`~greyhound.analytics.bocd.RunLengthPosterior` for the model). Detection
+    runs the compiled :class:`BocdV`, which does the same arithmetic in the same order;
+    the tests hold the two to the same change points and posterior, and
+    ``scripts/bench_detect`` measures both.
+    """
 
     def __init__(
         self, *, bocd: BocdConfig | None = None, verify: VerifyConfig | None = None
@@ -118,6 +259,14 @@ class BocdV:
     def pending(self) -> int | None:
         """Start of the candidate being verified, if any."""
         return self._pending
+
+    def posterior_state(self) -> PosteriorState:
+        """The run-length posterior now (to compare with :meth:`BocdV.posterior_state`)."""
+        post = self._posterior
+        return PosteriorState(
+            t=post.t, starts=post.starts.copy(), probs=post.probs,
+            noise_scale=post.noise_scale(),
+        )
 
     def update(self, x: float) -> ChangePoint | None:
         """Add the next iteration time (seconds, > 0); returns an accepted change point."""
@@ -209,7 +358,7 @@ def _moved(before: float, after_low: float, after_high: float, min_change: float
 def bocdv_changepoints(
     x: np.ndarray, *, bocd: BocdConfig | None = None, verify: VerifyConfig | None = None
 ) -> list[ChangePoint]:
-    """BOCD+V over a whole series, exactly as :class:`BocdV` would report it online.
+    """BOCD+V over a whole series, exactly as :class:`BocdV` reports it online.
 
     Args:
         x: (n,) iteration times in seconds, finite and > 0.
@@ -217,10 +366,4 @@ def bocdv_changepoints(
     Returns:
         Accepted change points in order of ``index``.
     """
-    detector = BocdV(bocd=bocd, verify=verify)
-    out = []
-    for value in check_series(x).tolist():
-        cp = detector.update(value)
-        if cp is not None:
-            out.append(cp)
-    return out
+    return BocdV(bocd=bocd, verify=verify).feed(x)
