@@ -9,7 +9,7 @@ import numpy as np
 
 from postmortem.attribution import Attribution, attribute
 from postmortem.causes import Cause, find_causes
-from postmortem.model import Model, build_model
+from postmortem.model import STEP_START, Model, build_model
 from postmortem.schema import Trace
 
 
@@ -102,6 +102,8 @@ def _dominant_kind(by_optype: dict[str, float]) -> str:
         return "compute"
     if name == "gc":
         return "gc"
+    if name == STEP_START:
+        return "step-skew"
     if "pp-comm" in name:
         return "pp-comm"
     return "dp-comm"

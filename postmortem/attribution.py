@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from postmortem.idealize import Ideal, idealize
-from postmortem.model import Model
-from postmortem.schema import OPTYPES, OPTYPE_CODE
+from postmortem.model import Model, optype_label
+from postmortem.schema import OPTYPE_CODE
 from postmortem.simulate import simulate
 
 # The study's report merges the four p2p types into two.
@@ -55,7 +55,7 @@ def report_groups(model: Model) -> dict[str, np.ndarray]:
     groups: dict[str, np.ndarray] = {}
     merged = {o: k for k, v in REPORT_OPTYPES.items() for o in v}
     for code in np.unique(model.t_optype):
-        name = OPTYPES[int(code)]
+        name = optype_label(code)
         key = merged.get(name, name)
         m = model.t_optype == code
         groups[key] = groups[key] | m if key in groups else m

@@ -54,6 +54,12 @@ class SyntheticJob:
     """(dp_rank, factor): every stage of that DP replica computes factor x slower."""
     stage_weights: tuple[float, ...] | None = None
     """Per-stage compute multipliers (stage-partition imbalance), None = balanced."""
+    stage_start_s: tuple[float, ...] | None = None
+    """Per-stage delay before the stage starts each step (a schedule's own skew, as when
+    steps overlap without a job-wide sync), None = every stage at 0."""
+    late_workers: tuple[tuple[int, int, float], ...] = ()
+    """(dp_rank, pp_rank, seconds): that worker starts each step this much later (what a
+    straggler's late previous step leaves); a straggler, absent from the healthy run."""
     gc_prob: float = 0.0
     """Probability that a worker pauses for GC in a step (before forward micro-batch 1)."""
     gc_pause_s: float = 0.1
@@ -79,6 +85,12 @@ class SyntheticJob:
                 raise ValueError(f"SyntheticJob.slow_dp entry {(d, f)} out of range")
         if self.stage_weights is not None and len(self.stage_weights) != self.pp:
             raise ValueError(f"SyntheticJob.stage_weights needs {self.pp} entries")
+        if self.stage_start_s is not None and (len(self.stage_start_s) != self.pp
+                                               or min(self.stage_start_s) < 0):
+            raise ValueError(f"SyntheticJob.stage_start_s needs {self.pp} entries >= 0")
+        for d, p, late in self.late_workers:
+            if not (0 <= d < self.dp and 0 <= p < self.pp and late >= 0):
+                raise ValueError(f"SyntheticJob.late_workers entry {(d, p, late)} out of range")
         if not 0 <= self.gc_prob <= 1:
             raise ValueError("SyntheticJob.gc_prob must be in [0, 1]")
 
@@ -186,8 +198,14 @@ def generate(job: SyntheticJob) -> tuple[Trace, Truth]:
         for p in range(P)
         for k in range(len(progs[p]))
     }
-    rows_slow, t_slow = _execute(job, progs, slow, weights, seq_factor, gc, noise, gaps, record=True)
-    _, t_healthy = _execute(job, progs, np.ones((D, P)), weights, seq_factor, gc * 0, noise, gaps, record=False)
+    start = np.zeros((D, P)) + (np.asarray(job.stage_start_s) if job.stage_start_s else 0.0)
+    late = np.zeros((D, P))
+    for d, p, seconds in job.late_workers:
+        late[d, p] += seconds
+    rows_slow, t_slow = _execute(job, progs, slow, weights, seq_factor, gc, noise, gaps, start + late,
+                                 record=True)
+    _, t_healthy = _execute(job, progs, np.ones((D, P)), weights, seq_factor, gc * 0, noise, gaps, start,
+                            record=False)
     offsets = np.concatenate([[0.0], np.cumsum(t_slow + 0.001)[:-1]]) + 100.0
     ops = _rows_to_ops(rows_slow, offsets, N=N, D=D)
     dd, pp_ = np.meshgrid(np.arange(D), np.arange(P), indexing="ij")
@@ -212,9 +230,9 @@ def generate(job: SyntheticJob) -> tuple[Trace, Truth]:
     return trace, truth
 
 
-def _execute(job, progs, slow, weights, seq_factor, gc, noise, gaps, *, record: bool):
+def _execute(job, progs, slow, weights, seq_factor, gc, noise, gaps, start, *, record: bool):
     D, P, N = job.dp, job.pp, job.num_steps
-    clock = [np.zeros((N, D)) for _ in range(P)]
+    clock = [np.broadcast_to(start[:, p], (N, D)).copy() for p in range(P)]   # start: (D, P)
     ptr = [0] * P
     posted: dict[tuple, np.ndarray] = {}
     rows: list[tuple] = []

@@ -20,6 +20,12 @@ Two estimators for compute ops (forward-compute, backward-compute, optimizer):
 Communication ops get the job-wide median of their transfer time (both estimators; the
 median already ignores rare slow transfers), and ``gc`` the median of its pauses (most
 steps have none, so an unsynchronised pause is a straggler).
+
+The model's ``step-start`` op (a worker's first start in the step, see
+``postmortem.model``) gets the median over DP ranks and steps *per stage*: part of the
+skew is the schedule's own (in 1F1B the first stage always starts last, having finished
+last) and stays in the ideal; what one worker adds on top, because it finished its
+previous step late, is a straggler's.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from postmortem.model import COMPUTE_CODES, Model
+from postmortem.model import COMPUTE_CODES, STEP_START_CODE, Model
 
 ESTIMATORS = ("robust", "mean")
 
@@ -81,6 +87,11 @@ def idealize(model: Model, *, estimator: str = "robust", outlier_z: float = 3.5)
                 if s.any():
                     comp_sum[:, p] += (model.transfer[s] * pres[s]).sum(axis=(0, 2))
                     comp_ideal[:, p] += value * pres[s].sum(axis=(0, 2))
+        elif code == STEP_START_CODE:
+            for i in np.flatnonzero(sel):   # one op per stage
+                work[i] = float(np.median(model.transfer[i][model.present[i]]))
+            by_optype[int(code)] = float(work[sel].mean())
+            continue
         else:
             value = float(np.median(vals[ok]))
         by_optype[int(code)] = value

@@ -24,6 +24,16 @@ p2p waits make the compute stream wait for the NCCL stream):
 
 Transfer time of a communication op = its end - the latest start among its group's
 members (clipped to [0, duration]); the rest of its traced duration is blocking time.
+
+Step-start skew: steps are replayed independently, each from 0, but workers do not
+start a step together. Without a job-wide sync at the step's end (the study's Megatron
+jobs have one, the clip-grad all-reduce), each worker starts as soon as its own previous
+step is done: in 1F1B the first stage finishes last and starts the next step tens of
+milliseconds after the last stage. Replayed from 0, such a trace comes out ~10% short
+of its real step time. So each worker's chain begins with a ``step-start`` op (a model
+op, not a trace op type: ``STEP_START_CODE``) whose work is the worker's first start in
+the step: a launch delay the replay keeps and the idealisation treats per stage (see
+``postmortem.idealize``).
 """
 
 from __future__ import annotations
@@ -52,6 +62,14 @@ P2P_PEER = {  # send code -> (recv code, stage offset of the receiver)
 }
 P2P_CODES = frozenset({_C["forward-send"], _C["forward-recv"], _C["backward-send"], _C["backward-recv"]})
 FUSE_TOLERANCE_S = 1e-6
+STEP_START = "step-start"
+STEP_START_CODE = len(OPTYPES)
+"""Code of the model's step-start op (past the trace's op-type codes; see the module doc)."""
+
+
+def optype_label(code: int) -> str:
+    """Name of a template op's type: a trace op type, or ``step-start``."""
+    return STEP_START if int(code) == STEP_START_CODE else OPTYPES[int(code)]
 
 
 def is_compute_code(code: int) -> bool:
@@ -220,17 +238,31 @@ def build_model(trace: Trace) -> Model:
     real_step_time = step_end[keep_steps]
     n_t = tkeys.size
 
+    # step-start ops: one per stage, its work the worker's first start in the step
+    offset = np.stack([np.where(expected[t_pp == p][:, :, None], S[t_pp == p], np.inf).min(axis=0)
+                       for p in range(P)])  # (P, D, N)
+    offset[~np.isfinite(offset)] = 0.0   # a stage with no op on a DP rank (never in practice)
+    S = np.concatenate([S, np.zeros_like(offset)])
+    U = np.concatenate([U, offset])
+    expected = np.concatenate([expected, np.ones((P, D), bool)])
+    t_pp = np.concatenate([t_pp, np.arange(P)])
+    t_code = np.concatenate([t_code, np.full(P, STEP_START_CODE)])
+    t_occ = np.concatenate([t_occ, np.zeros(P, t_occ.dtype)])
+    n_t += P
+    del offset
+
     # order on each worker: mean start over present instances; ties by op code
     pres3 = expected[:, :, None] & np.ones(steps.size, bool)
     # S * pres3 is S itself when every op is present (x * 1.0 == x): skip the copy
     weighted = S if expected.all() else S * pres3
     mean_start = weighted.sum(axis=(1, 2)) / np.maximum(pres3.sum(axis=(1, 2)), 1)
+    mean_start[t_code == STEP_START_CODE] = -1.0   # first on its worker
     del weighted
     perm = np.lexsort((t_occ, t_code, mean_start, t_pp))
     t_pp, t_code, t_occ = t_pp[perm], t_code[perm], t_occ[perm]
     S, U, expected, pres3 = S[perm], U[perm], expected[perm], pres3[perm]
 
-    t_is_comm = ~np.isin(t_code, list(COMPUTE_CODES | {GC_CODE}))
+    t_is_comm = ~np.isin(t_code, list(COMPUTE_CODES | {GC_CODE, STEP_START_CODE}))
     lookup = {(int(p), int(c), int(o)): i for i, (p, c, o) in enumerate(zip(t_pp, t_code, t_occ))}
 
     # groups

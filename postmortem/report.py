@@ -16,7 +16,7 @@ import numpy as np
 
 from postmortem.analysis import Result, summary_line
 from postmortem.idealize import __doc__ as IDEAL_DOC
-from postmortem.schema import OPTYPES
+from postmortem.model import optype_label
 from postmortem.simulate import simulate
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def chrome_trace(result: Result) -> dict:
             tid = d * m.pp + p
             for pid in (1, 2):
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"dp{d}/pp{p}"}})
-    names = [OPTYPES[int(c)] for c in m.t_optype]
+    names = [optype_label(c) for c in m.t_optype]
     for d in ranks:
         for t in range(n_t):
             if not m.present[t, d]:
