@@ -384,15 +384,23 @@ posterior_update(Kernel *k, double y)
     double logpred0 = k->logpred0_base - log(sigma);
     double outlier = k->log_eps + logpred0;
     /* The reference's vector expressions, in its order, split where a transcendental
-     * function is applied to the whole array. ta..te: log argument, log1p argument,
-     * scale^2, z, then logaddexp's parts. */
-    double *ta = k->ta, *tb = k->tb, *tc = k->tc, *td = k->td, *te = k->te;
+     * function is applied to the whole array. */
+    double *restrict kap = k->kappa, *restrict alp = k->alpha, *restrict bet = k->beta;
+    double *restrict mu = k->mu, *restrict logp = k->logp;
+    const int64_t *restrict starts = k->starts;
+    const double *restrict lg = k->lg;
+    /* ta: log argument, then log; tb: log1p argument, then log1p; tc: scale^2;
+     * td: z; te: the gammaln ratio. */
+    double *restrict ta = k->ta, *restrict tb = k->tb, *restrict tc = k->tc;
+    double *restrict td = k->td, *restrict te = k->te;
+    for (Py_ssize_t i = 0; i < r; i++)
+        te[i] = lg[t - starts[i]];
     for (Py_ssize_t i = 0; i < r; i++) {
-        double kappa = k->kappa[i], alpha = k->alpha[i];
+        double kappa = kap[i], alpha = alp[i];
         double kappa1 = kappa + 1.0;
-        double scale_sq = (beta0 + k->beta[i]) * kappa1 / (alpha * kappa);
+        double scale_sq = (beta0 + bet[i]) * kappa1 / (alpha * kappa);
         double nu_scale_sq = 2.0 * alpha * scale_sq;
-        double z = y - k->mu[i];
+        double z = y - mu[i];
         ta[i] = M_PI * nu_scale_sq;
         tb[i] = z * z / nu_scale_sq;
         tc[i] = scale_sq;
@@ -401,34 +409,35 @@ posterior_update(Kernel *k, double y)
     k->vlog(ta, ta, r);
     k->vlog1p(tb, tb, r);
     /* logaddexp(logpred + log(1 - eps), outlier) as numpy's npy_logaddexp:
-     * max + log1p(exp(-|difference|)), log 2 on equality. ta: the max, tb: the
-     * exponent (then the log1p), te: 1 where the two are equal or NaN. */
+     * max + log1p(exp(-|difference|)), x + log 2 on equality, NaN for NaN. Here ta
+     * becomes the max (or the whole result where te is set), tb the exponent. */
+    const double log_1m_eps = k->log_1m_eps;
     for (Py_ssize_t i = 0; i < r; i++) {
-        double alpha = k->alpha[i];
-        double logpred = k->lg[t - k->starts[i]] - 0.5 * ta[i] - (alpha + 0.5) * tb[i];
-        double x = logpred + k->log_1m_eps;
+        double logpred = te[i] - 0.5 * ta[i] - (alp[i] + 0.5) * tb[i];
+        double x = logpred + log_1m_eps;
         double diff = x - outlier;
-        te[i] = !(diff > 0 || diff < 0);
-        ta[i] = diff > 0 ? x : outlier;
+        int whole = !(diff > 0 || diff < 0);
+        double special = x == outlier ? x + 0.693147180559945309417232121458176568 : diff;
+        te[i] = whole ? 1.0 : 0.0;
+        ta[i] = whole ? special : (diff > 0 ? x : outlier);
         tb[i] = diff > 0 ? -diff : diff;
-        if (te[i] != 0.0)
-            ta[i] = x == outlier ? x + 0.693147180559945309417232121458176568 : diff;
     }
     k->vexp(tb, tb, r);
     k->vlog1p(tb, tb, r);
+    const double log_1mh = k->log_1mh, clip = k->clip;
     for (Py_ssize_t i = 0; i < r; i++) {
-        double kappa = k->kappa[i], alpha = k->alpha[i];
+        double kappa = kap[i];
         double kappa1 = kappa + 1.0;
-        k->logp[i] += te[i] != 0.0 ? ta[i] : ta[i] + tb[i];
-        k->logp[i] += k->log_1mh;
+        double lae = te[i] != 0.0 ? ta[i] : ta[i] + tb[i];
+        logp[i] = (logp[i] + lae) + log_1mh;
         double z = td[i];
-        double bound = k->clip * sqrt(tc[i]);
+        double bound = clip * sqrt(tc[i]);
         double zc = z > -bound ? z : -bound;
         zc = zc < bound ? zc : bound;
-        k->beta[i] += kappa * zc * zc / (2.0 * kappa1);
-        k->mu[i] += zc / kappa1;
-        k->kappa[i] = kappa1;
-        k->alpha[i] = alpha + 0.5;
+        bet[i] += kappa * zc * zc / (2.0 * kappa1);
+        mu[i] += zc / kappa1;
+        kap[i] = kappa1;
+        alp[i] += 0.5;
     }
     Py_ssize_t slot = r;
     if (r == k->max_hyp) {

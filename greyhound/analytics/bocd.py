@@ -37,6 +37,13 @@ Where this departs from the textbook recursion, and why:
   to that hypothesis' predictive mean +- ``clip`` scales. One garbage-collection spike
   of 2x would otherwise inflate a long run's variance for the rest of the run and blunt
   it to the next real change. The point's likelihood is never clipped.
+
+:class:`RunLengthPosterior` is the Python statement of this model: the plain-BOCD
+baseline (:mod:`greyhound.analytics.baselines`) and the BOCD+V reference
+(:class:`~greyhound.analytics.verify.ReferenceBocdV`) run it. BOCD+V detection runs the
+same posterior, expression for expression, inside the compiled kernel
+``greyhound/analytics/_bocdv.c`` (:class:`~greyhound.analytics.verify.BocdV`); a change
+here must be made there too (tests/test_detect_bocd_kernel.py holds them together).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """The tracking pipeline in one call: iteration times in, change points and slow
-intervals out, as ``greyhound detect`` and the node agent run it."""
+intervals out, as ``greyhound detect`` and the node agent run it.
+
+Method "bocd+v" runs the compiled BOCD+V kernel (:class:`~greyhound.analytics.verify.BocdV`);
+a node agent that polls keeps one ``BocdV`` per rank and feeds it each poll's new
+iterations instead of calling this on the whole series."""
 
 from __future__ import annotations
 
