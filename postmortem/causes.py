@@ -5,7 +5,9 @@ heatmap and a high M_W; stage-partition imbalance as a heavy last stage and a hi
 sequence-length imbalance as forward and backward times of the same micro-batch moving
 together (correlation >= 0.9, after removing each worker-step's own level, so a slow
 worker does not fake it), and with recorded lengths as compute time tracking sum s^2;
-GC as unsynchronised pauses; communication as S_t of the p2p or DP op types.
+GC as unsynchronised pauses; communication as S_t of the p2p or DP op types; workers
+that start their steps late (greyhound's addition) as the S_t of the model's step-start
+op, with each late worker's start against its stage's median.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from postmortem.attribution import Attribution
-from postmortem.model import Model
+from postmortem.model import STEP_START, STEP_START_CODE, Model
 from postmortem.schema import OPTYPE_CODE, Trace
 
 SEQ_CORR_THRESHOLD = 0.9
@@ -51,6 +53,7 @@ def find_causes(trace: Trace, model: Model, attr: Attribution) -> list[Cause]:
     out += _seq_imbalance(trace, model, attr)
     out += _gc(model, attr)
     out += _communication(attr)
+    out += _late_starts(model, attr, nodes)
     return sorted(out, key=lambda c: -c.confidence)
 
 
@@ -290,6 +293,34 @@ def _communication(attr: Attribution) -> list[Cause]:
             remedy=(
                 "greyhound validates the links the job uses (P2P bandwidth tests) and swaps DP/PP "
                 "roles so a slow link carries light PP traffic (S3)"
+            ),
+        )
+    ]
+
+
+def _late_starts(model: Model, attr: Attribution, nodes) -> list[Cause]:
+    """Workers whose first op of a step starts later than their stage's usual start."""
+    s_start = attr.by_optype.get(STEP_START, 1.0)
+    if s_start < 1.02:
+        return []
+    workers = []
+    for i in np.flatnonzero(model.t_optype == STEP_START_CODE):   # one op per stage
+        p = int(model.t_pp[i])
+        late = model.transfer[i].mean(axis=1) - attr.ideal.work[i]   # (D,) mean over steps
+        for d in np.flatnonzero(late > 0.01 * max(attr.t_ideal, 1e-12)):
+            workers.append({"dp_rank": int(d), "pp_rank": p, "node": nodes.get((int(d), p), "?"),
+                            "late_s": round(float(late[d]), 4)})
+    workers.sort(key=lambda w: -w["late_s"])
+    return [
+        Cause(
+            cause="workers start their steps late",
+            confidence=float(np.clip((s_start - 1.0) * 5, 0.2, 1.0)),
+            evidence={"s_step_start": round(s_start, 3), "late_workers": workers[:8]},
+            remedy=(
+                "a worker that starts a step late finished its previous one late: look at what it does "
+                "between steps (data loading, logging, checkpoint writes) and at its own compute; a "
+                "job-wide sync at the step's end (Megatron's grad-norm all-reduce) shows the delay where "
+                "it arises"
             ),
         )
     ]

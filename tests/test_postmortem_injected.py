@@ -131,6 +131,7 @@ def test_a_schedules_own_step_start_skew_is_replayed_and_not_a_straggler():
     assert truth.measured_slowdown == pytest.approx(1.0)
     assert abs(a.simulation_error) <= 0.005
     assert a.slowdown == pytest.approx(1.0, abs=3e-4)
+    assert not [c for c in analyze(trace).causes if c.cause == "workers start their steps late"]
 
 
 def test_a_worker_starting_steps_late_is_found():
@@ -142,3 +143,7 @@ def test_a_worker_starting_steps_late_is_found():
     d, p = np.unravel_index(np.argmax(a.worker_slowdown), a.worker_slowdown.shape)
     assert (int(d), int(p)) == (2, 1)
     assert max(a.by_optype, key=a.by_optype.get) == "step-start"
+    result = analyze(trace)
+    late = [c for c in result.causes if c.cause == "workers start their steps late"]
+    assert late and [(w["dp_rank"], w["pp_rank"]) for w in late[0].evidence["late_workers"]] == [(2, 1)]
+    assert late[0].evidence["late_workers"][0]["late_s"] == pytest.approx(0.06, rel=0.1)
