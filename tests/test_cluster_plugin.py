@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PREFIX, REPO
+from conftest import PREFIX, REPO, SlurmJob
 
 pytestmark = pytest.mark.cluster
 
@@ -149,13 +149,43 @@ def test_plugstack_default_on_enables_every_job_unless_off(default_on, sbatch):
     on = sbatch(JOB_SCRIPT, "--nodes=2", "--ntasks=4", "--ntasks-per-node=2")
     off = sbatch(JOB_SCRIPT, "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--greyhound=off")
     mitigate = sbatch(JOB_SCRIPT, "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--greyhound=mitigate")
-    assert on.wait() == "COMPLETED", on.text()
-    assert off.wait() == "COMPLETED", off.text()
-    assert mitigate.wait() == "COMPLETED", mitigate.text()
+    env_off = sbatch(JOB_SCRIPT, "--nodes=2", "--ntasks=4", "--ntasks-per-node=2",
+                     env=dict(os.environ, GREYHOUND_OPTIONS="off"))
+    for job in (on, off, mitigate, env_off):
+        assert job.wait() == "COMPLETED", job.text()
     check_enabled(task_lines(on.text()), mode="detect", job_id=on.job_id)
     check_enabled(task_lines(mitigate.text()), mode="mitigate", job_id=mitigate.job_id)
-    off_lines = task_lines(off.text())
-    assert off_lines and all(t["mode"] == "" and t["ld_preload"] == "" for t in off_lines)
+    for job in (off, env_off):
+        off_lines = task_lines(job.text())
+        assert off_lines and all(t["mode"] == "" and t["ld_preload"] == "" for t in off_lines)
+
+
+def test_greyhound_options_variable_is_the_flags_fallback(cluster, sbatch, tmp_path):
+    # Precedence (STYLE): plugstack defaults < GREYHOUND_OPTIONS < --greyhound=.
+    env = dict(os.environ, GREYHOUND_OPTIONS="mode=mitigate,trace=on")
+    by_env = sbatch(JOB_SCRIPT, "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", env=env)
+    flag_wins = sbatch(JOB_SCRIPT, "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--greyhound=detect", env=env)
+    for job in (by_env, flag_wins):
+        assert job.wait() == "COMPLETED", job.text()
+    check_enabled(task_lines(by_env.text()), mode="mitigate", job_id=by_env.job_id)
+    check_enabled(task_lines(flag_wins.text()), mode="detect", job_id=flag_wins.job_id)
+    # A bad value cannot refuse the job (an optional plugin's init_post_opt cannot):
+    # one line says so and the job runs as if greyhound were not there.
+    os.chmod(tmp_path, 0o755)
+    (tmp_path / "bad.sh").write_text(JOB_SCRIPT)
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/bad.out", "--nodes=2", "--ntasks=4",
+                           "--ntasks-per-node=2", str(tmp_path / "bad.sh")],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env=dict(os.environ, GREYHOUND_OPTIONS="mode=fast"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "greyhound: GREYHOUND_OPTIONS: mode='fast' is not allowed; use mode=detect or mode=mitigate; "
+        "greyhound is off for this job"]
+    bad = SlurmJob(proc.stdout.strip().split(";")[0], tmp_path / "bad.out")
+    assert bad.wait() == "COMPLETED", bad.text()
+    lines = task_lines(bad.text())
+    assert {t["step"] for t in lines} == {"batch", "step0", "step1"}
+    assert all(t["mode"] == "" and t["ld_preload"] == "" for t in lines)
 
 
 def test_srun_and_salloc_take_the_option_too(cluster):

@@ -46,6 +46,9 @@ int slurm_spank_init_post_opt(spank_t sp, int ac, char **av)
 	(void)ac;
 	(void)av;
 	switch (spank_context()) {
+	case S_CTX_LOCAL:
+	case S_CTX_ALLOCATOR:
+		return gh_local_init_post_opt();
 	case S_CTX_REMOTE:
 		/* Still root here (user_init runs as the job's user): the run dir is made now. */
 		return gh_remote_init_post_opt(sp);

@@ -3,7 +3,8 @@
  *
  * Two configuration channels, kept apart (as in pyxis):
  *   struct gh_config   the admin's plugstack.conf arguments (cluster-wide defaults)
- *   struct gh_options  the user's --greyhound=OPTIONS
+ *   struct gh_options  the user's --greyhound=OPTIONS, or GREYHOUND_OPTIONS when
+ *                      the flag is not given
  */
 #ifndef GREYHOUND_H
 #define GREYHOUND_H
@@ -49,6 +50,7 @@ const char *gh_effective_mode(const struct gh_config *config, const struct gh_op
 /* args.c */
 int gh_register_options(spank_t sp);
 int gh_options_from_env(spank_t sp);
+int gh_local_init_post_opt(void);
 
 /* remote.c */
 int gh_remote_init_post_opt(spank_t sp);
