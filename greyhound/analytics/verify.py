@@ -44,6 +44,7 @@ float64 exp/log (no AVX-512) the two agree bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -175,15 +176,10 @@ class BocdV:
             min_change=v.min_change, keep_prob=v.keep_prob, min_after=v.min_after,
             max_pending=v.max_pending, before_window=v.before_window,
             creep_window=v.creep_window, creep_every=v.creep_every,
-            lg_table=self._lg_table, exact_math=exact_math,
+            # A plain function, not a bound method: the kernel is not tracked by the
+            # cycle collector, so it must not hold a reference back to self.
+            lg_table=functools.partial(_gamma_ratio_table, c.alpha0), exact_math=exact_math,
         )
-
-    def _lg_table(self, size: int) -> np.ndarray:
-        """gammaln(alpha + 1/2) - gammaln(alpha), alpha = alpha0 + n/2, n < size: the
-        kernel asks for it as its oldest hypothesis ages (doubling), so its values are
-        scipy's, as the reference's."""
-        alpha = self.bocd.alpha0 + 0.5 * np.arange(size)
-        return np.ascontiguousarray(gammaln(alpha + 0.5) - gammaln(alpha))
 
     @property
     def pending(self) -> int | None:
@@ -225,6 +221,14 @@ class BocdV:
             t=t, starts=np.array(starts, dtype=np.int64), probs=np.array(probs),
             noise_scale=sigma,
         )
+
+
+def _gamma_ratio_table(alpha0: float, size: int) -> np.ndarray:
+    """(size,) gammaln(alpha + 1/2) - gammaln(alpha), alpha = alpha0 + n/2: the kernel
+    asks for it as its oldest hypothesis ages (doubling), so its values are scipy's,
+    as the reference's."""
+    alpha = alpha0 + 0.5 * np.arange(size)
+    return np.ascontiguousarray(gammaln(alpha + 0.5) - gammaln(alpha))
 
 
 def _change_point(cp: tuple[int, int, float, float]) -> ChangePoint:
