@@ -28,20 +28,11 @@
 #include <stdint.h>
 #include <structmember.h>
 
+#include "../hook/pyhead.h"
+
 /* enum gh_op and GH_F_ERROR of spank/hook/gh_ring.h, as the capture mirrors them. */
 #define GH_OP_RECV 7
 #define GH_F_ERROR 0x8
-
-/* The head gh_py_end_head takes: struct "<IIiIQQQ" of the capture (40 bytes). */
-struct gh_head {
-	uint32_t op;
-	uint32_t flags;
-	int32_t peer;
-	uint32_t reserved;
-	uint64_t comm_id;
-	uint64_t size_bytes;
-	uint64_t req_id;
-};
 
 typedef uintptr_t (*gh_begin_fn)(void);
 typedef uint64_t (*gh_end_head_fn)(const void *head);
@@ -89,7 +80,7 @@ static int is_given(PyObject *value)
  * which the Python wrapper fills on the group's first call; jobs alternate
  * between groups (PP sends, DP all-reduces), so one "last group" would not do.
  */
-static int plan(FastCall *self, PyObject *args, PyObject *kwargs, struct gh_head *head)
+static int plan(FastCall *self, PyObject *args, PyObject *kwargs, struct gh_py_head *head)
 {
 	PyObject *on = NULL, *group, *pg = NULL, *world = NULL, *groups = NULL, *key = NULL;
 	PyObject *entry, *info, *value;
@@ -188,7 +179,7 @@ out:
 static PyObject *fastcall_call(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
 	FastCall *self = (FastCall *)obj;
-	struct gh_head head;
+	struct gh_py_head head;
 	uintptr_t begun;
 	PyObject *result, *gated;
 	int how;

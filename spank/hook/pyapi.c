@@ -20,29 +20,18 @@
 #include <string.h>
 
 #include "hook.h"
+#include "pyhead.h"
 
-/*
- * The staging record, packed by Python as struct "<IIiIQQQQQ" (56 bytes): op,
- * flags, peer, 0, comm_id, size_bytes, t_start_ns, t_end_ns, req_id.
- */
-struct gh_py_packed {
-	uint32_t op;
-	uint32_t flags;
-	int32_t peer;
-	uint32_t reserved;
-	uint64_t comm_id;
-	uint64_t size_bytes;
+/* The thread's record in the making: the head the caller hands over, and the times. */
+struct gh_py_stage {
+	struct gh_py_head head;
 	uint64_t t_start_ns;
 	uint64_t t_end_ns;
-	uint64_t req_id;
 };
-
-_Static_assert(sizeof(struct gh_py_packed) == 56, "matches _STAGE_BYTES in _greyhound_capture.py");
-_Static_assert(offsetof(struct gh_py_packed, t_start_ns) == 32, "matches _HEAD in _greyhound_capture.py");
 
 /* This thread is inside a captured call (torch's nested calls are part of it). */
 static __thread int py_busy __attribute__((tls_model("initial-exec")));
-static __thread struct gh_py_packed py_stage __attribute__((tls_model("initial-exec")));
+static __thread struct gh_py_stage py_stage __attribute__((tls_model("initial-exec")));
 
 /* 1 if the hook records in this process (opens the ring on first use). */
 GH_EXPORT int gh_py_active(void)
@@ -110,8 +99,8 @@ GH_EXPORT uintptr_t gh_py_begin(void)
 	gate = __atomic_load_n(&gh_hdr->gate, __ATOMIC_RELAXED) != 0;
 	gh_leave();
 	py_busy = 1;
-	py_stage.op = GH_OP_NONE;
-	py_stage.req_id = 0;
+	py_stage.head.op = GH_OP_NONE;
+	py_stage.head.req_id = 0;
 	py_stage.t_end_ns = 0;
 	py_stage.t_start_ns = gh_now_ns();
 	return (uintptr_t)&py_stage + (uintptr_t)gate;
@@ -125,39 +114,37 @@ GH_EXPORT uintptr_t gh_py_begin(void)
 GH_EXPORT uint64_t gh_py_end(void)
 {
 	uint64_t t_end = gh_now_ns();
-	struct gh_py_packed p = py_stage;
+	struct gh_py_stage p = py_stage;
 	uint64_t seq;
 
 	py_busy = 0;
-	py_stage.op = GH_OP_NONE;
-	if (p.op == GH_OP_NONE || p.op >= GH_OP_COUNT || !gh_enter())
+	py_stage.head.op = GH_OP_NONE;
+	if (p.head.op == GH_OP_NONE || p.head.op >= GH_OP_COUNT || !gh_enter())
 		return 0;
 	if (p.t_end_ns == 0)
 		p.t_end_ns = t_end;
-	seq = gh_record((uint16_t)p.op, GH_SRC_TORCH, p.flags, p.t_start_ns, p.t_end_ns,
-			p.size_bytes, p.comm_id, p.peer, p.req_id, 0);
+	seq = gh_record((uint16_t)p.head.op, GH_SRC_TORCH, p.head.flags, p.t_start_ns, p.t_end_ns,
+			p.head.size_bytes, p.head.comm_id, p.head.peer, p.head.req_id, 0);
 	gh_leave();
 	return seq;
 }
 
 /*
- * Ends the captured call with the record's head passed in: struct
- * "<IIiIQQQ", 40 bytes (op, flags, peer, 0, comm_id, size_bytes, req_id), a
- * Python bytes object the capture keeps per operation shape, so that nothing
- * is packed per call (one pointer argument costs ctypes no more than none;
- * typed arguments cost ~0.3 us each). NULL: nothing to record.
+ * Ends the captured call with the record's head passed in (struct gh_py_head,
+ * pyhead.h): a Python bytes object the capture keeps per operation shape, so
+ * that nothing is packed per call (one pointer argument costs ctypes no more
+ * than none; typed arguments cost ~0.3 us each), or the C fast path's head on
+ * its stack. NULL: nothing to record.
  */
 GH_EXPORT uint64_t gh_py_end_head(const void *head)
 {
 	uint64_t t_end = gh_now_ns();
 
 	if (head) {
-		memcpy(&py_stage, head, offsetof(struct gh_py_packed, t_start_ns));
-		memcpy(&py_stage.req_id, (const char *)head + offsetof(struct gh_py_packed, t_start_ns),
-		       sizeof(py_stage.req_id));
+		memcpy(&py_stage.head, head, sizeof(py_stage.head));   /* bytes data: unaligned */
 		py_stage.t_end_ns = t_end;
 	} else {
-		py_stage.op = GH_OP_NONE;
+		py_stage.head.op = GH_OP_NONE;
 	}
 	return gh_py_end();
 }
@@ -166,7 +153,7 @@ void gh_py_atfork_child(void)
 {
 	/* A fork inside a captured call: the child's thread is not inside it. */
 	py_busy = 0;
-	py_stage.op = GH_OP_NONE;
+	py_stage.head.op = GH_OP_NONE;
 }
 
 /* Describes a torch process group in the ring's communicator table. */
