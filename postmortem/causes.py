@@ -310,6 +310,8 @@ def _late_starts(model: Model, attr: Attribution, nodes) -> list[Cause]:
         for d in np.flatnonzero(late > 0.01 * max(attr.t_ideal, 1e-12)):
             workers.append({"dp_rank": int(d), "pp_rank": p, "node": nodes.get((int(d), p), "?"),
                             "late_s": round(float(late[d]), 4)})
+    if not workers:   # the stage medians' own spread: no one to name
+        return []
     workers.sort(key=lambda w: -w["late_s"])
     return [
         Cause(
