@@ -56,9 +56,24 @@ def job_report(job_id: str) -> dict:
     return out
 
 
+_EVIDENCE_ITEMS = 3   # entries of a list shown on the line (the JSON has them all)
+
+
 def _evidence_text(evidence: dict) -> str:
-    """The scalar numbers of a cause's evidence, one line (the JSON has the rest)."""
-    parts = [f"{k}={v}" for k, v in evidence.items() if isinstance(v, (int, float, str))]
+    """A cause's evidence on one line: scalars as k=v, dicts as k=(k=v ...), lists of
+    workers as k=[...] with the first few entries (the JSON has the rest)."""
+    def flat(d: dict) -> str:
+        return " ".join(f"{k}={v}" for k, v in d.items() if isinstance(v, (int, float, str)))
+
+    parts = []
+    for k, v in evidence.items():
+        if isinstance(v, (int, float, str)):
+            parts.append(f"{k}={v}")
+        elif isinstance(v, dict) and flat(v):
+            parts.append(f"{k}=({flat(v)})")
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            more = f"; +{len(v) - _EVIDENCE_ITEMS} more" if len(v) > _EVIDENCE_ITEMS else ""
+            parts.append(f"{k}=[" + "; ".join(flat(x) for x in v[:_EVIDENCE_ITEMS]) + more + "]")
     return ", ".join(parts) or json.dumps(evidence)
 
 
