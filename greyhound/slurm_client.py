@@ -79,15 +79,6 @@ class SlurmClient(Protocol):
 
     def set_comment(self, job_id: str, comment: str) -> None: ...
 
-    @staticmethod
-    def _live_state(job_id: str) -> str:
-        """The controller's view of a job's state ("" once it has left the queue)."""
-        try:
-            out = _run(["squeue", "-h", "-j", job_id, "-o", "%T"], what=f"job {job_id}")
-        except SlurmError:
-            return ""  # squeue fails for a job id the controller has already purged
-        return out.strip().split("\n")[0] if out.strip() else ""
-
     def hostnames(self, node_list: str) -> list[str]: ...
 
     def listpids(self, job_step: str) -> str: ...
