@@ -3,8 +3,11 @@
 The gloo backend communicates inside libtorch, where the LD_PRELOAD hook cannot see
 it, so this module wraps the Python API (all_reduce, reduce_scatter(_tensor),
 all_gather(_into_tensor), all_gather_single, reduce_scatter_single (torch >= 2.13),
-broadcast, reduce, send, recv, isend, irecv, batch_isend_irecv, barrier) and writes one record per call through the hook's
-``gh_py_*`` entry points: the same layout, the same ring, the same pause gate.
+broadcast, reduce, send, recv, isend, irecv, batch_isend_irecv, barrier) and writes one
+record per call through the hook's ``gh_py_*`` entry points: the same layout, the same
+ring, the same pause gate. The common case of each call runs in C
+(spank/capture/fastpath.c) when that extension is built; the Python wrappers here are
+the complete implementation it hands everything else to.
 
 - Times are the hook's clock (CLOCK_MONOTONIC ns), taken in gh_py_begin just before
   the call and in gh_py_end_head just after it, so a record spans the call plus a
