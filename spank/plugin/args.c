@@ -17,6 +17,15 @@
 #define GH_USER_ENV "GREYHOUND_OPTIONS"
 #define GH_FLAG_PREFIX "--greyhound: "
 
+/* Fail open on the node: a bad setting turns greyhound off, never the job. */
+static void off_for_this_job(const char *source, const char *why)
+{
+	slurm_error("greyhound: %s%s; greyhound is off for this job", source, why);
+	gh_options_defaults(&gh_options);
+	gh_options.seen = 1;
+	gh_options.enabled = 0;
+}
+
 static int option_cb(int val, const char *optarg, int remote)
 {
 	char err[512] = "";
@@ -26,11 +35,7 @@ static int option_cb(int val, const char *optarg, int remote)
 	if (gh_options_parse(&gh_options, optarg, err, sizeof(err)) == 0)
 		return 0;
 	if (remote) {
-		/* Fail open on the node: never refuse a running job over greyhound. */
-		slurm_error("greyhound: %s; greyhound is off for this job", err + strlen(GH_FLAG_PREFIX));
-		gh_options_defaults(&gh_options);
-		gh_options.seen = 1;
-		gh_options.enabled = 0;
+		off_for_this_job("", err + strlen(GH_FLAG_PREFIX));
 		return 0;
 	}
 	fprintf(stderr, "greyhound: %s\n", err);
@@ -84,12 +89,7 @@ int gh_options_from_env(spank_t sp)
 		return 0;
 	if (rc == ESPANK_SUCCESS && gh_options_parse(&gh_options, value, err, sizeof(err)) == 0)
 		return 0;
-	/* Fail open on the node, as for the flag. */
-	slurm_error("greyhound: " GH_USER_ENV ": %s; greyhound is off for this job",
-		    rc == ESPANK_SUCCESS ? err + strlen(GH_FLAG_PREFIX) : spank_strerror(rc));
-	gh_options_defaults(&gh_options);
-	gh_options.seen = 1;
-	gh_options.enabled = 0;
+	off_for_this_job(GH_USER_ENV ": ", rc == ESPANK_SUCCESS ? err + strlen(GH_FLAG_PREFIX) : spank_strerror(rc));
 	return 0;
 }
 
