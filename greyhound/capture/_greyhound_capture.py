@@ -430,6 +430,8 @@ def _fast(fastpath, wrapper, fn, hook, dc10d, **spec):
     as functools.wraps dresses a function; the Python wrapper if that fails."""
     try:
         fast = fastpath.FastCall(fn=fn, slow=wrapper, hook=hook, dc10d=dc10d, **spec)
+        # Not functools.update_wrapper: the stable ABI gives FastCall instance attributes
+        # but no `__dict__` attribute, which update_wrapper reads.
         for name in functools.WRAPPER_ASSIGNMENTS:
             if hasattr(fn, name):
                 setattr(fast, name, getattr(fn, name))
