@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from greyhound.atomic_file import atomic_file, write_atomic
 from postmortem.analysis import Result, summary_line
 from postmortem.idealize import __doc__ as IDEAL_DOC
 from postmortem.model import optype_label
@@ -38,9 +39,7 @@ def write_report(result: Result, out_dir: str | os.PathLike) -> Path:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomic(path, text, mode=0o644)
 
 
 def _heatmap_png(result: Result, path: Path) -> None:
@@ -73,7 +72,8 @@ def _heatmap_png(result: Result, path: Path) -> None:
                     ax.text(d, p, f"{v:.2f}", ha="center", va="center", fontsize=8,
                             color="white" if dark else "black")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    with atomic_file(path, mode=0o644) as f:
+        fig.savefig(f, dpi=90, format="png")
     plt.close(fig)
 
 
@@ -94,7 +94,8 @@ def _steps_png(result: Result, path: Path) -> None:
     ax.set_ylabel("slowdown")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    with atomic_file(path, mode=0o644) as f:
+        fig.savefig(f, dpi=90, format="png")
     plt.close(fig)
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from greyhound.atomic_file import atomic_file
 from greyhound.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -285,21 +286,16 @@ def write_trace(
     cols = normalise_ops(ops, where=where)
     wcols = _normalise_workers(workers, where=where)
     scols = _normalise_seqlens(seqlens, where=where) if seqlens is not None else None
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs["format"] = FORMAT_NAME
-            f.attrs["schema_version"] = SCHEMA_VERSION
-            f.attrs["meta"] = meta.to_json()
-            f.attrs["optypes"] = json.dumps(list(OPTYPES))
-            _write_group(f, "ops", cols)
-            _write_group(f, "workers", wcols)
-            if scols is not None:
-                _write_group(f, "seqlens", scols)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    # h5py opens by name: /proc/self/fd/N names the temporary file itself.
+    with atomic_file(path, mode=0o644) as out, h5py.File(f"/proc/self/fd/{out.fileno()}", "w") as f:
+        f.attrs["format"] = FORMAT_NAME
+        f.attrs["schema_version"] = SCHEMA_VERSION
+        f.attrs["meta"] = meta.to_json()
+        f.attrs["optypes"] = json.dumps(list(OPTYPES))
+        _write_group(f, "ops", cols)
+        _write_group(f, "workers", wcols)
+        if scols is not None:
+            _write_group(f, "seqlens", scols)
 
 
 def _write_group(f, name: str, cols: dict[str, np.ndarray]) -> None:

@@ -13,11 +13,12 @@ partition must stay the same.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from greyhound.atomic_file import atomic_file, write_atomic
 
 LATEST = "latest"
 
@@ -31,9 +32,8 @@ def _step_dir(root: Path, step: int) -> Path:
 
 
 def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path, mode=0o644) as f:
+        torch.save(obj, f)
 
 
 def save(root: str, *, step: int, pp_rank: int, dp_rank: int, rank: int, module, optimizer,
@@ -53,9 +53,7 @@ def save(root: str, *, step: int, pp_rank: int, dp_rank: int, rank: int, module,
         _atomic_save(state, step_dir / f"stage-{pp_rank:02d}.pt")
     dist.barrier()
     if rank == 0:
-        tmp = root_path / f".{LATEST}.tmp"
-        tmp.write_text(step_dir.name + "\n")
-        os.replace(tmp, root_path / LATEST)
+        write_atomic(root_path / LATEST, step_dir.name + "\n", mode=0o644)
 
 
 def latest_step(root: str) -> int | None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from pathlib import Path
 
+from greyhound.atomic_file import write_atomic
 from greyhound.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -58,9 +58,7 @@ def write_active(env: InjectEnv, record: dict) -> None:
     try:
         env.active_dir.mkdir(parents=True, exist_ok=True)
         path = env.active_dir / f"{record['id']}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, sort_keys=True))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(record, sort_keys=True))
     except OSError as exc:
         raise InputError(f"cannot record the injection under {env.active_dir}: {exc.strerror}") from exc
 
