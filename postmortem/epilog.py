@@ -1,28 +1,46 @@
 """The post-mortem of one ended job, as EpilogSlurmctld runs it (slurm/epilog_slurmctld).
 
-For a greyhound-enabled job (one whose run directory exists):
-  1. find its timeline: the merged ``trace.h5``, or per-rank files merged here;
-  2. run the what-if analysis and write the report into the job's report directory,
-     readable only by the job's user (and root);
-  3. put a one-line summary on the job's accounting record, keeping the user's comment.
-A job without a usable trace gets a record that says why, never silence. Nothing here
-can fail the job: it has ended, and the epilog script runs this detached and bounded.
+Two processes, because the run directory, the trace and the report directory are the
+user's to shape (symlinks, planted files, ``report=`` pointing anywhere) while the
+epilog runs as root:
 
-Usage: python -m postmortem.epilog JOBID   (as root on the controller)
+- the **root step** (:func:`run`) takes one of a bounded number of analysis slots,
+  starts the unprivileged step as the job's user, waits for it with a time limit, and
+  puts the one-line summary on the job's accounting record. It opens nothing in the run
+  directory, the trace or the report directory; the only thing it takes from there is
+  the unprivileged step's stdout, checked to be one printable line.
+- the **unprivileged step** (:func:`analyze_job`, ``--as-user``) runs as the job's uid,
+  gid and groups, with a memory limit, from ``/``, under ``python -I``: it finds the
+  timeline, merges it, runs the what-if analysis and writes the report into a directory
+  only the user can read. It can read and write exactly what the user can, so no link
+  or path the user plants reaches beyond the user's own files.
+
+A job without a usable trace gets a record that says why, and so does one whose
+analysis was refused (the controller busy), ran out of time or of memory. Nothing here
+can fail the job: it has ended, and the epilog script runs this detached.
+
+Usage: python -I -m postmortem.epilog JOBID   (as root on the controller)
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
+import pwd
 import shlex
+import signal
+import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from greyhound.errors import GreyhoundError
-from greyhound.slurm_client import check_job_id, connect, merge_comment
+from greyhound.errors import GreyhoundError, InputError
+from greyhound.slurm_client import COMMENT_MAX_LEN, check_job_id, connect, merge_comment
 
 log = logging.getLogger(__name__)
 
@@ -31,26 +49,263 @@ OPTIONS_FILE = "options"
 """Written by the SPANK plugin into the run directory: the job's effective options."""
 TIMELINE_DIRS = ("timeline", "trace", ".")
 """Where inside the run directory the training job's timeline may be."""
+NOT_GREYHOUND_EXIT = 3
+"""The unprivileged step's exit status for a job without a run directory."""
+SUMMARY_PREFIX = "greyhound: "
+_OUTPUT_MAX_BYTES = 64 * 1024
+"""How much of the unprivileged step's stdout/stderr the root step keeps."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class EpilogConfig:
     rundir: Path = Path("/var/tmp/greyhound")
     """Parent of the per-job run directories (plugstack ``rundir=``)."""
+    timeout_s: float = 300.0
+    """Wall-clock limit of one analysis (``GREYHOUND_EPILOG_TIMEOUT_S``)."""
+    mem_kb: int = 8 * 1024 * 1024
+    """Address-space limit of one analysis (``GREYHOUND_EPILOG_MEM_KB``)."""
+    slots: int = 2
+    """Analyses that may run at once on the controller (``GREYHOUND_EPILOG_SLOTS``):
+    the controller's memory for post-mortems is at most ``slots * mem_kb``."""
+    queue: int = 64
+    """Ended jobs that may wait for a slot (``GREYHOUND_EPILOG_QUEUE``); the next one
+    is refused at once, with a line on its record."""
+    queue_wait_s: float = 900.0
+    """How long a job waits for a slot before it is refused (``GREYHOUND_EPILOG_QUEUE_WAIT_S``)."""
+    lock_dir: Path = Path("/run/greyhound/epilog")
+    """Root-only directory of the slot and queue lock files."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "mem_kb", "slots", "queue"):
+            if getattr(self, name) <= 0:
+                raise InputError(f"epilog setting {name}={getattr(self, name)} must be positive")
+        if self.queue_wait_s < 0:
+            raise InputError(f"epilog setting queue_wait_s={self.queue_wait_s} must be >= 0")
 
 
-def read_plugstack_config(path: Path = PLUGSTACK_ENTRY) -> EpilogConfig:
-    """The admin's settings from greyhound's plugstack line (defaults if absent)."""
+_ENV_SETTINGS = {
+    "GREYHOUND_EPILOG_TIMEOUT_S": ("timeout_s", float),
+    "GREYHOUND_EPILOG_MEM_KB": ("mem_kb", int),
+    "GREYHOUND_EPILOG_SLOTS": ("slots", int),
+    "GREYHOUND_EPILOG_QUEUE": ("queue", int),
+    "GREYHOUND_EPILOG_QUEUE_WAIT_S": ("queue_wait_s", float),
+}
+
+
+def read_plugstack_config(path: Path = PLUGSTACK_ENTRY) -> Path:
+    """The admin's ``rundir=`` from greyhound's plugstack line (the default if absent)."""
+    default = EpilogConfig.rundir
     try:
         lines = path.read_text().splitlines()
     except OSError:
-        return EpilogConfig()
+        return default
     for line in lines:
         words = shlex.split(line, comments=True)
         if len(words) >= 2 and words[0] in ("optional", "required") and words[1].endswith("greyhound_spank.so"):
             args = dict(w.split("=", 1) for w in words[2:] if "=" in w)
-            return EpilogConfig(rundir=Path(args.get("rundir", "/var/tmp/greyhound")))
-    return EpilogConfig()
+            return Path(args.get("rundir", str(default)))
+    return default
+
+
+def read_config(env: dict[str, str] | None = None, *, plugstack: Path = PLUGSTACK_ENTRY) -> EpilogConfig:
+    """The epilog's settings: plugstack ``rundir=`` and the ``GREYHOUND_EPILOG_*`` variables
+    of slurmctld's environment. A bad variable is logged and its default kept."""
+    env = os.environ if env is None else env
+    values: dict = {"rundir": read_plugstack_config(plugstack)}
+    for var, (field, kind) in _ENV_SETTINGS.items():
+        if var in env:
+            try:
+                values[field] = kind(env[var])
+                EpilogConfig(**{field: values[field]})
+            except (ValueError, InputError):
+                log.error("%s=%r is not allowed (a positive number); using the default", var, env[var])
+                values.pop(field)
+    return EpilogConfig(**values)
+
+
+# --- the root step ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobOwner:
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    name: str
+    home: str
+
+
+def job_owner(user: str, env: dict[str, str] | None = None) -> JobOwner:
+    """Who the job ran as: SLURM_JOB_UID/GID as slurmctld passes them to
+    EpilogSlurmctld, else the accounting record's user and their primary group."""
+    env = os.environ if env is None else env
+    try:
+        entry = pwd.getpwuid(int(env["SLURM_JOB_UID"])) if "SLURM_JOB_UID" in env else pwd.getpwnam(user)
+    except (KeyError, ValueError) as exc:
+        raise GreyhoundError(f"the job's user {user!r} is unknown on this host") from exc
+    gid = int(env.get("SLURM_JOB_GID", entry.pw_gid))
+    return JobOwner(uid=entry.pw_uid, gid=gid, groups=tuple(os.getgrouplist(entry.pw_name, gid)),
+                    name=entry.pw_name, home=entry.pw_dir)
+
+
+class Busy(GreyhoundError):
+    """No analysis slot could be had."""
+
+
+def _root_lock_dir(path: Path) -> int:
+    """A descriptor of the lock directory, made root-only if missing; refused if anyone
+    but root could plant files in it."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        os.close(fd)
+        raise GreyhoundError(f"{path} must be owned by uid {os.geteuid()} and writable by it alone")
+    return fd
+
+
+def _try_lock(dir_fd: int, kind: str, count: int) -> int | None:
+    """Takes the first free one of ``count`` lock files ``kind.N``; its fd, or None."""
+    for i in range(count):
+        fd = os.open(f"{kind}.{i}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            os.close(fd)
+    return None
+
+
+@contextlib.contextmanager
+def analysis_slot(config: EpilogConfig) -> Iterator[None]:
+    """Holds one of ``config.slots`` analysis slots for the block (flock: a killed epilog
+    frees its slot). Waits at most ``queue_wait_s`` in a queue of ``config.queue``.
+
+    Raises:
+        Busy: the queue is full, or no slot came free in time.
+    """
+    dir_fd = _root_lock_dir(config.lock_dir)
+    held: list[int] = []
+    try:
+        slot = _try_lock(dir_fd, "slot", config.slots)
+        if slot is None:
+            place = _try_lock(dir_fd, "queue", config.queue)
+            if place is None:
+                raise Busy(f"the controller is busy ({config.slots} post-mortems running, "
+                           f"{config.queue} waiting)")
+            held.append(place)
+            deadline = time.monotonic() + config.queue_wait_s
+            while (slot := _try_lock(dir_fd, "slot", config.slots)) is None:
+                if time.monotonic() >= deadline:
+                    raise Busy(f"no post-mortem slot came free within {config.queue_wait_s:.0f}s "
+                               f"({config.slots} running)")
+                time.sleep(0.5)
+        held.append(slot)
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        os.close(dir_fd)
+
+
+def _drain(stream, out: bytearray) -> None:
+    """Reads stream to its end, keeping at most _OUTPUT_MAX_BYTES."""
+    while chunk := stream.read1(65536):
+        if len(out) < _OUTPUT_MAX_BYTES:
+            out += chunk[: _OUTPUT_MAX_BYTES - len(out)]
+
+
+def _set_child_limits(mem_kb: int) -> None:
+    import resource
+
+    mem = mem_kb * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def checked_summary(stdout: bytes) -> str:
+    """The unprivileged step's summary, if it is one printable greyhound line.
+
+    Raises:
+        GreyhoundError: anything else (the step runs as the user, who can shape it).
+    """
+    text = stdout.decode("utf-8", "replace").rstrip("\n")
+    if "\n" in text or not text.startswith(SUMMARY_PREFIX) or len(text) > COMMENT_MAX_LEN \
+            or not text.isprintable():
+        raise GreyhoundError("the analysis returned no readable summary")
+    return text
+
+
+def analyze_as_user(job_id: str, owner: JobOwner, config: EpilogConfig) -> str | None:
+    """Runs the unprivileged step for job_id as its owner; its summary (None: no run dir).
+
+    Never raises for what the step did: a crash, a timeout or garbage becomes a summary
+    that says so.
+    """
+    argv = [sys.executable, "-I", "-m", "postmortem.epilog", "--as-user", "--rundir", str(config.rundir), job_id]
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": owner.home,
+           "USER": owner.name, "LOGNAME": owner.name, "TMPDIR": "/tmp"}
+    proc = subprocess.Popen(
+        argv, cwd="/", env=env, user=owner.uid, group=owner.gid, extra_groups=list(owner.groups),
+        process_group=0, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=lambda: _set_child_limits(config.mem_kb),  # noqa: PLW1509 (the root step has one thread)
+    )
+    stdout, stderr = bytearray(), bytearray()
+    readers = [threading.Thread(target=_drain, args=(s, b), daemon=True)
+               for s, b in ((proc.stdout, stdout), (proc.stderr, stderr))]
+    for r in readers:
+        r.start()
+    try:
+        rc = proc.wait(timeout=config.timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = None
+    for r in readers:
+        r.join(timeout=5)
+    for line in stderr.decode("utf-8", "replace").splitlines()[-20:]:
+        log.info("job %s: analysis: %s", job_id, line[:500].encode("unicode_escape").decode())
+    if rc is None:
+        return (f"greyhound: no post-mortem: the analysis took longer than {config.timeout_s:.0f}s "
+                "(GREYHOUND_EPILOG_TIMEOUT_S); run greyhound postmortem on the trace yourself")
+    if rc == NOT_GREYHOUND_EXIT:
+        return None
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        why = f" (memory limit {config.mem_kb // 1024} MiB, GREYHOUND_EPILOG_MEM_KB)" if rc == -signal.SIGKILL else ""
+        return f"greyhound: no post-mortem: the analysis was stopped by {name}{why}"
+    try:
+        return checked_summary(bytes(stdout))
+    except GreyhoundError as exc:
+        return f"greyhound: no post-mortem: {exc} (exit status {rc})"
+
+
+def run(job_id: str, *, config: EpilogConfig | None = None, env: dict[str, str] | None = None) -> str | None:
+    """The post-mortem of job_id; returns the summary put on its record (None: not greyhound's)."""
+    job_id = check_job_id(job_id)
+    config = config or read_config(env)
+    t0 = time.monotonic()
+    client = connect()
+    record = client.job(job_id)
+    owner = job_owner(record.user, env)
+    try:
+        with analysis_slot(config):
+            summary = analyze_as_user(job_id, owner, config)
+    except Busy as exc:
+        summary = f"greyhound: no post-mortem: {exc}; run greyhound postmortem on the trace yourself"
+    if summary is None:
+        return None
+    record = client.job(job_id)      # the user may have changed the comment meanwhile
+    client.set_comment(job_id, merge_comment(record.comment, summary))
+    log.info("job %s (%s): %s (%.1fs)", job_id, owner.name, summary, time.monotonic() - t0)
+    return summary
+
+
+# --- the unprivileged step ------------------------------------------------------------
 
 
 def read_options(run_dir: Path) -> dict[str, str]:
@@ -72,17 +327,16 @@ def find_trace(run_dir: Path, job_id: str) -> Path:
     for sub in TIMELINE_DIRS:
         d = run_dir / sub
         merged = d / TRACE_FILE_NAME
-        if merged.is_file():
-            return merged
-        if any(d.glob("rank-*.jsonl")):
-            return merge_trace_dir(d, job_id=job_id)
+        try:
+            if merged.is_file() and os.access(merged, os.R_OK):
+                return merged
+            if merged.exists():
+                raise GreyhoundError(f"cannot read {merged}: permission denied")
+            if any(d.glob("rank-*.jsonl")):
+                return merge_trace_dir(d, job_id=job_id)
+        except PermissionError as exc:
+            raise GreyhoundError(f"cannot read {exc.filename or d}: permission denied") from None
     raise GreyhoundError(f"no timeline trace in {run_dir} (the job recorded none)")
-
-
-def _chown_tree(path: Path, uid: int, gid: int) -> None:
-    for root, dirs, files in os.walk(path):
-        for name in (root, *(os.path.join(root, f) for f in dirs + files)):
-            os.chown(name, uid, gid)
 
 
 def report_dir_for(run_dir: Path, options: dict[str, str], job_id: str) -> Path:
@@ -91,16 +345,35 @@ def report_dir_for(run_dir: Path, options: dict[str, str], job_id: str) -> Path:
     return run_dir / "report"
 
 
-def run(job_id: str, *, config: EpilogConfig | None = None) -> str | None:
-    """The post-mortem of job_id; returns the summary put on its record (None: not greyhound's)."""
+def _make_private_dir(path: Path) -> None:
+    """Creates path (mode 0700) or checks that the existing one is the caller's own,
+    private directory, not a symlink."""
+    try:
+        path.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise GreyhoundError(f"cannot create the report directory {path}: {exc.strerror}") from None
+    st = path.lstat()
+    if not path.is_dir() or path.is_symlink() or st.st_uid != os.getuid():
+        raise GreyhoundError(f"the report directory {path} exists and is not a directory of the job's user")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def analyze_job(job_id: str, rundir: Path) -> str | None:
+    """As the job's user: the analysis and the report; the summary line (None: no run dir)."""
     job_id = check_job_id(job_id)
-    config = config or read_plugstack_config()
-    run_dir = config.rundir / job_id
-    if not run_dir.is_dir():
+    run_dir = rundir / job_id
+    try:
+        st = run_dir.lstat()
+    except OSError:
         return None
-    st = run_dir.stat()
+    if not run_dir.is_dir() or run_dir.is_symlink():
+        return f"greyhound: no post-mortem: {run_dir} is not a directory"
+    if st.st_uid != os.getuid():
+        return f"greyhound: no post-mortem: {run_dir} is owned by uid {st.st_uid}, not the job's uid {os.getuid()}"
     options = read_options(run_dir)
-    t0 = time.monotonic()
     try:
         if options.get("trace") == "off":
             raise GreyhoundError("tracing was off for this job (--greyhound=trace=off)")
@@ -111,36 +384,48 @@ def run(job_id: str, *, config: EpilogConfig | None = None) -> str | None:
         trace_path = find_trace(run_dir, job_id)
         result = analyze(load_any(trace_path))
         out = report_dir_for(run_dir, options, job_id)
-        old_umask = os.umask(0o077)
-        try:
-            page = write_report(result, out)
-        finally:
-            os.umask(old_umask)
-        os.chmod(out, 0o700)
-        _chown_tree(out, st.st_uid, st.st_gid)
+        _make_private_dir(out)
+        page = write_report(result, out)
         summary = summary_line(result, str(page))
     except GreyhoundError as exc:
         summary = f"greyhound: no post-mortem: {exc}"
+    except MemoryError:
+        summary = "greyhound: no post-mortem: the analysis ran out of memory (GREYHOUND_EPILOG_MEM_KB)"
     except Exception as exc:  # never leave the record silent, whatever broke
         log.exception("post-mortem of job %s failed", job_id)
         summary = f"greyhound: no post-mortem: internal error ({type(exc).__name__}: {exc})"
-    summary = " ".join(summary.split())
-    client = connect()
-    record = client.job(job_id)
-    client.set_comment(job_id, merge_comment(record.comment, summary))
-    log.info("job %s: %s (%.1fs)", job_id, summary, time.monotonic() - t0)
-    return summary
+    return " ".join(summary.split())
+
+
+def _as_user_main(argv: list[str]) -> int:
+    import tempfile
+
+    rundir = Path(argv[argv.index("--rundir") + 1])
+    job_id = argv[-1]
+    os.umask(0o077)
+    with tempfile.TemporaryDirectory(prefix="greyhound-epilog-") as mpl_dir:
+        os.environ["MPLCONFIGDIR"] = mpl_dir
+        summary = analyze_job(job_id, rundir)
+    if summary is None:
+        return NOT_GREYHOUND_EXIT
+    print(summary)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s greyhound: epilog: %(message)s")
+    if argv[:1] == ["--as-user"] and "--rundir" in argv:
+        return _as_user_main(argv)
     if len(argv) != 1:
-        print("greyhound: epilog: usage: python -m postmortem.epilog JOBID", file=sys.stderr)
+        print("greyhound: epilog: usage: python -I -m postmortem.epilog JOBID", file=sys.stderr)
+        return 2
+    if os.geteuid() != 0:
+        print("greyhound: epilog: must run as root (it runs the analysis as the job's user)", file=sys.stderr)
         return 2
     try:
         run(argv[0])
-    except GreyhoundError as exc:
+    except (GreyhoundError, OSError) as exc:
         print(f"greyhound: epilog: job {argv[0]}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -95,3 +95,15 @@ def sbatch(tmp_path):
     yield submit
     for job in submitted:
         subprocess.run(["scancel", job.job_id], capture_output=True, check=False)
+
+
+def comment_of(job_id: str, timeout_s: float) -> tuple[str, float]:
+    """The job's sacct Comment once greyhound's summary is on it, and how long that took."""
+    t0 = time.monotonic()
+    comment = ""
+    while time.monotonic() - t0 < timeout_s:
+        comment = sacct_field(job_id, "Comment")
+        if "greyhound: " in comment:
+            break
+        time.sleep(0.5)
+    return comment, time.monotonic() - t0

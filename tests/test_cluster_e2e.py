@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, SlurmJob, sacct_field
+from conftest import REPO, SlurmJob, comment_of, sacct_field
 from greyhound.ring import CALL_OPS, OP, RingReader, ring_paths
 
 pytestmark = pytest.mark.cluster
@@ -41,18 +41,6 @@ for i in range(int(sys.argv[2])):
     time.sleep(0.05)
 print(f"rank {{comm.rank}} of {{comm.size}} sum {{y[0]:.0f}}", flush=True)
 """
-
-
-def comment_of(job_id: str, timeout_s: float) -> tuple[str, float]:
-    """The job's sacct Comment once greyhound's summary is on it, and how long that took."""
-    t0 = time.monotonic()
-    comment = ""
-    while time.monotonic() - t0 < timeout_s:
-        comment = sacct_field(job_id, "Comment")
-        if "greyhound: " in comment:
-            break
-        time.sleep(0.5)
-    return comment, time.monotonic() - t0
 
 
 def wait_for_rings(run_dir: Path, n: int, timeout_s: float = 60) -> list[Path]:
@@ -210,15 +198,19 @@ def test_epilog_hands_the_report_to_the_jobs_user_only(cluster):
     job_id = proc.stdout.strip().split(";")[0]
     # As if the job had run with --greyhound and recorded a timeline with a slow worker.
     run_dir = RUN_DIR_BASE / job_id
-    (run_dir / "timeline").mkdir(parents=True)
+    # Made aside and renamed into place whole: slurmctld's own epilog for this job may
+    # look for the run directory at any moment and must find it complete or not at all.
+    staged = RUN_DIR_BASE / f".staged-{job_id}"
+    (staged / "timeline").mkdir(parents=True)
     trace, truth = generate(SyntheticJob(dp=2, pp=2, num_microbatches=4, num_steps=6,
                                          slow_workers=((1, 0, 1.8),), seed=11))
-    write_trace(run_dir / "timeline/trace.h5", ops=trace.ops, workers=trace.workers, meta=trace.meta)
-    for path in (run_dir, run_dir / "timeline", run_dir / "timeline/trace.h5"):
+    write_trace(staged / "timeline/trace.h5", ops=trace.ops, workers=trace.workers, meta=trace.meta)
+    for path in (staged, staged / "timeline", staged / "timeline/trace.h5"):
         os.chown(path, user.pw_uid, user.pw_gid)
-    run_dir.chmod(0o700)
-    epilog = subprocess.run([str(REPO / ".venv/bin/python"), "-m", "postmortem.epilog", job_id],
-                            capture_output=True, text=True, timeout=120)
+    staged.chmod(0o700)
+    staged.rename(run_dir)
+    epilog = subprocess.run([str(REPO / ".venv/bin/python"), "-I", "-m", "postmortem.epilog", job_id],
+                            capture_output=True, text=True, timeout=120, cwd="/")
     assert epilog.returncode == 0, epilog.stderr
     comment, _ = comment_of(job_id, 10)
     assert comment.startswith("greyhound: S=") and "dp1/pp0" in comment, comment
