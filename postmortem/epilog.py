@@ -52,6 +52,9 @@ TIMELINE_DIRS = ("timeline", "trace", ".")
 NOT_GREYHOUND_EXIT = 3
 """The unprivileged step's exit status for a job without a run directory."""
 SUMMARY_PREFIX = "greyhound: "
+OUT_OF_MEMORY = "greyhound: no post-mortem: the analysis ran out of memory (GREYHOUND_EPILOG_MEM_KB)"
+_CAUSE_MAX_CHARS = 200
+"""How much of an exception's text goes onto the record."""
 _OUTPUT_MAX_BYTES = 64 * 1024
 """How much of the unprivileged step's stdout/stderr the root step keeps."""
 
@@ -197,7 +200,7 @@ def analysis_slot(config: EpilogConfig) -> Iterator[None]:
             deadline = time.monotonic() + config.queue_wait_s
             while (slot := _try_lock(dir_fd, "slot", config.slots)) is None:
                 if time.monotonic() >= deadline:
-                    raise Busy(f"no post-mortem slot came free within {config.queue_wait_s:.0f}s "
+                    raise Busy(f"no post-mortem slot came free within {config.queue_wait_s:g}s "
                                f"({config.slots} running)")
                 time.sleep(0.5)
         held.append(slot)
@@ -267,7 +270,7 @@ def analyze_as_user(job_id: str, owner: JobOwner, config: EpilogConfig) -> str |
     for line in stderr.decode("utf-8", "replace").splitlines()[-20:]:
         log.info("job %s: analysis: %s", job_id, line[:500].encode("unicode_escape").decode())
     if rc is None:
-        return (f"greyhound: no post-mortem: the analysis took longer than {config.timeout_s:.0f}s "
+        return (f"greyhound: no post-mortem: the analysis took longer than {config.timeout_s:g}s "
                 "(GREYHOUND_EPILOG_TIMEOUT_S); run greyhound postmortem on the trace yourself")
     if rc == NOT_GREYHOUND_EXIT:
         return None
@@ -281,7 +284,9 @@ def analyze_as_user(job_id: str, owner: JobOwner, config: EpilogConfig) -> str |
     try:
         return checked_summary(bytes(stdout))
     except GreyhoundError as exc:
-        return f"greyhound: no post-mortem: {exc} (exit status {rc})"
+        last = next((ln for ln in reversed(stderr.decode("utf-8", "replace").splitlines()) if ln.strip()), "")
+        last = "".join(c for c in last if c.isprintable())[:_CAUSE_MAX_CHARS]
+        return f"greyhound: no post-mortem: {exc} (exit status {rc}{': ' + last if last else ''})"
 
 
 def run(job_id: str, *, config: EpilogConfig | None = None, env: dict[str, str] | None = None) -> str | None:
@@ -390,10 +395,13 @@ def analyze_job(job_id: str, rundir: Path) -> str | None:
     except GreyhoundError as exc:
         summary = f"greyhound: no post-mortem: {exc}"
     except MemoryError:
-        summary = "greyhound: no post-mortem: the analysis ran out of memory (GREYHOUND_EPILOG_MEM_KB)"
+        summary = OUT_OF_MEMORY
     except Exception as exc:  # never leave the record silent, whatever broke
         log.exception("post-mortem of job %s failed", job_id)
-        summary = f"greyhound: no post-mortem: internal error ({type(exc).__name__}: {exc})"
+        if isinstance(exc, ImportError) and "failed to map segment" in str(exc):
+            summary = OUT_OF_MEMORY    # a library too big for the address-space limit
+        else:
+            summary = f"greyhound: no post-mortem: internal error ({type(exc).__name__}: {str(exc)[:_CAUSE_MAX_CHARS]})"
     return " ".join(summary.split())
 
 

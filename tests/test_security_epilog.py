@@ -224,3 +224,80 @@ def test_the_attackers_own_report_is_private_to_them(users, trace_file):
     for f in report.iterdir():
         fst = f.lstat()
         assert (fst.st_uid, fst.st_mode & 0o077) == (attacker.pw_uid, 0), f
+
+
+# --- the epilog's bounds: a refused, stopped or starved analysis still leaves a line ----
+
+
+@pytest.fixture(scope="module")
+def finished_job(users, trace_file):
+    """An ended greyhound job of the attacker's, with a trace, whose epilog has run."""
+    job, comment = run_attack(f"mkdir -p $R/timeline; cp {trace_file} $R/timeline/trace.h5\n")
+    assert comment.startswith("greyhound: S="), comment
+    return job.job_id
+
+
+def _hold(lock_dir: Path, *names: str) -> list[int]:
+    import fcntl
+
+    fds = []
+    for name in names:
+        fd = os.open(lock_dir / name, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fds.append(fd)
+    return fds
+
+
+def _epilog(job_id: str, **settings) -> str:
+    from conftest import sacct_field
+    from postmortem.epilog import EpilogConfig, run
+
+    summary = run(job_id, config=EpilogConfig(**settings), env={})
+    comment = sacct_field(job_id, "Comment")
+    assert comment == summary, (comment, summary)   # the record says what the epilog said
+    return summary
+
+
+@pytest.fixture
+def lock_dir(tmp_path):
+    d = tmp_path / "locks"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def test_a_full_queue_is_refused_at_once_with_a_line_on_the_record(finished_job, lock_dir):
+    held = _hold(lock_dir, "slot.0", "queue.0")
+    try:
+        summary = _epilog(finished_job, slots=1, queue=1, lock_dir=lock_dir)
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert summary.startswith("greyhound: no post-mortem: the controller is busy (1 post-mortems running, 1 waiting)")
+
+
+def test_a_job_that_waits_too_long_for_a_slot_is_refused(finished_job, lock_dir):
+    held = _hold(lock_dir, "slot.0")
+    try:
+        summary = _epilog(finished_job, slots=1, queue=4, queue_wait_s=1, lock_dir=lock_dir)
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert summary.startswith("greyhound: no post-mortem: no post-mortem slot came free within 1s (1 running)")
+
+
+def test_a_slot_comes_free_when_the_analysis_ends(finished_job, lock_dir):
+    first = _epilog(finished_job, slots=1, queue=1, queue_wait_s=0, lock_dir=lock_dir)
+    second = _epilog(finished_job, slots=1, queue=1, queue_wait_s=0, lock_dir=lock_dir)
+    assert first == second and first.startswith("greyhound: S=")
+
+
+def test_an_analysis_over_its_time_limit_is_stopped_with_a_line(finished_job, lock_dir):
+    summary = _epilog(finished_job, timeout_s=0.2, lock_dir=lock_dir)
+    assert summary.startswith("greyhound: no post-mortem: the analysis took longer than 0.2s")
+    for fd in _hold(lock_dir, "slot.0", "slot.1"):     # its slot is free again (flock raises if not)
+        os.close(fd)
+
+
+def test_an_analysis_over_its_memory_limit_leaves_a_line(finished_job, lock_dir):
+    summary = _epilog(finished_job, mem_kb=50_000, lock_dir=lock_dir)
+    assert summary == "greyhound: no post-mortem: the analysis ran out of memory (GREYHOUND_EPILOG_MEM_KB)"
