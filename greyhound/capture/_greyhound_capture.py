@@ -14,8 +14,9 @@ the complete implementation it hands everything else to.
   few tenths of a microsecond of capture work.
 - Blocking calls: t_end is the return. Async calls (async_op=True, isend, irecv,
   batch_isend_irecv) get a record at issue with the ASYNC flag and a WAIT record
-  with the same req_id when ``wait()`` returns; their Work comes back wrapped in a
-  thin proxy that forwards everything else.
+  with the same req_id when ``wait()`` returns. The program gets torch's own Work;
+  the Wait is written by the Work class's wait, patched on the first async call
+  (see _Waits), so a wait called from C++ writes none.
 - No double counting: a call that goes to NCCL while the C hook interposes NCCL,
   or to the MPI backend (the C hook records MPI), is not recorded here.
 - Communicator ids: FNV-1a over the group's global ranks (int32, little-endian, in
@@ -29,8 +30,8 @@ the complete implementation it hands everything else to.
   that completes it; the ring takes several producers). A comm hook the program
   registers, before or after that, is wrapped instead to record its buckets the
   same way. Any failure there leaves the model as torch built it (see _DDP).
-  Join's per-forward all_reduce (its Work goes to the reducer, which takes no
-  proxy) is issued unrecorded.
+  Join's per-forward all_reduce (its Work goes to the reducer, which waits on it
+  in C++, so it would get no Wait record) is issued unrecorded.
 
 This file is installed next to sitecustomize.py and must not import greyhound:
 it runs in any Python that has torch. Any failure leaves torch untouched.
@@ -67,6 +68,7 @@ HOOK_NAME = "libgreyhound_hook.so"
 # gh_py_end_head(head), with the head packed once per operation shape and reused.
 _HEAD = struct.Struct("<IIiIQQQ")
 _HEADS_MAX = 4096   # cached heads per group (distinct op, peer, size); then start over
+_PENDING_MAX = 4096  # async works followed until their wait before dead ones are swept
 
 HOOK = None
 """The _Hook that patch() installed (scripts/bench_hook wraps a stand-in with it)."""
@@ -186,6 +188,7 @@ class _Hook:
         self.c_nccl = self._interposes("ncclAllReduce")
         self.on = None            # asked on the first call: the ring opens only then
         self.fastpath = _load_fastpath(lib)
+        self.waits = _Waits(self)
         os.register_at_fork(after_in_child=self._after_fork)
 
     def _interposes(self, name: str) -> bool:
@@ -237,31 +240,99 @@ class _Hook:
         return value
 
 
-class _Work:
-    """A torch Work whose wait() also writes the WAIT record; all else forwards."""
+class _Waits:
+    """The Wait records of async calls, written by torch's own Work.wait.
 
-    __slots__ = ("_work", "_req", "_hook")
+    The program gets the Work torch returned, unchanged: isinstance checks, and C++
+    that takes a c10d::Work (torch's work registry and wait_tensor, FSDP, futures),
+    see what they would without greyhound. A forwarding proxy is rejected by all of
+    these; a Python subclass of Work is accepted, but C++ then runs the base class's
+    virtuals for all but wait and getFuture (isCompleted stays false, result()
+    throws). So the wait is recorded in the class instead: the first async call
+    returning a Work of some class patches the wait that class uses (torch's Work
+    for gloo) to write the Wait of the works this module issued, found by identity;
+    any other work's wait pays one failed dict lookup. A wait called from C++ (the
+    registry, DDP's reducer) is torch's own and writes nothing.
+    """
 
-    def __init__(self, work, req: int, hook: _Hook) -> None:
-        self._work = work
-        self._req = req
-        self._hook = hook
+    def __init__(self, hook: _Hook) -> None:
+        self.hook = hook
+        # id(work) -> (weak reference to it, req_id). No weakref callback (it costs a
+        # closure per call): a dead entry is ignored when its id comes back, and
+        # swept out when there are many (a program may never wait, e.g. using only
+        # get_future()).
+        self.reqs: dict[int, tuple] = {}
+        self.sweep_at = _PENDING_MAX
+        self.classes: set = set()       # Work classes whose wait records
+        self.refused: set = set()       # classes whose wait could not be patched
 
-    def wait(self, *args, **kwargs):
-        hook = self._hook
-        begun = hook.begin()      # (completion is not held at the gate)
-        t0 = 0 if begun else time.monotonic_ns()
+    def track(self, work, req: int) -> None:
+        """From now on, the first wait() on work writes the Wait record of req."""
         try:
-            return self._work.wait(*args, **kwargs)
-        finally:
-            req, self._req = self._req, 0
-            if begun:
-                hook.end_head(_HEAD.pack(OP_WAIT, 0, -1, 0, 0, 0, req) if req else None)
-            elif req:  # inside another captured call: the slow way
-                hook.record(OP_WAIT, 0, -1, 0, t0, time.monotonic_ns(), 0, req)
+            cls = type(work)
+            if cls not in self.classes and not self.patch(cls):
+                return
+            reqs = self.reqs
+            reqs[id(work)] = (weakref.ref(work), req)
+            if len(reqs) >= self.sweep_at:
+                self.sweep()
+        except Exception as exc:  # noqa: BLE001  (the call's result goes back as is)
+            _log_once("cannot follow an async call's wait", exc,
+                      then="its Wait goes unrecorded")
 
-    def __getattr__(self, name):
-        return getattr(self._work, name)
+    def sweep(self) -> None:
+        reqs = self.reqs
+        for key, entry in list(reqs.items()):
+            if entry[0]() is None and reqs.get(key) is entry:
+                reqs.pop(key, None)
+        self.sweep_at = max(_PENDING_MAX, 2 * len(reqs))
+
+    def patch(self, cls) -> bool:
+        """Makes the wait that cls's instances use record; False if it cannot."""
+        if cls in self.refused:
+            return False
+        try:
+            owner = next((c for c in cls.__mro__ if "wait" in c.__dict__), None)
+            if owner is None:
+                raise TypeError("it has no wait()")
+            wait = owner.__dict__["wait"]
+            if getattr(wait, "__greyhound_waits__", None) is not self:
+                # (patched for an earlier _Hook: this one takes over; one per process)
+                owner.wait = self.recording(getattr(wait, "__greyhound_wrapped__", wait))
+        except Exception as exc:  # noqa: BLE001  (e.g. a type that takes no attributes)
+            self.refused.add(cls)
+            _log_once(f"cannot record waits on {cls.__qualname__}", exc,
+                      then="their Waits go unrecorded")
+            return False
+        self.classes.add(cls)
+        return True
+
+    def recording(self, wait):
+        """wait (a Work class's), writing the Wait record of a work tracked here."""
+        reqs, hook = self.reqs, self.hook
+
+        @functools.wraps(wait)
+        def greyhound_wait(work, *args, **kwargs):
+            entry = reqs.pop(id(work), None)
+            if entry is None or entry[0]() is not work:
+                return wait(work, *args, **kwargs)
+            req = entry[1]
+            begun = hook.begin()      # (completion is not held at the gate)
+            t0 = 0 if begun else time.monotonic_ns()
+            flags = F_ERROR
+            try:
+                done = wait(work, *args, **kwargs)
+                flags = 0
+                return done
+            finally:
+                if begun:
+                    hook.end_head(_head(OP_WAIT, flags, -1, 0, 0, req))
+                else:  # inside another captured call: the slow way
+                    hook.record(OP_WAIT, 0, -1, 0, t0, time.monotonic_ns(), flags, req)
+
+        greyhound_wait.__greyhound_wrapped__ = wait
+        greyhound_wait.__greyhound_waits__ = self
+        return greyhound_wait
 
 
 def _nbytes(t) -> int:
@@ -318,6 +389,7 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
     is_list = size_arg in ("input_list", "tensor_list")
     always_async = name in _ALWAYS_ASYNC
     begin, end_head, pack = hook.begin, hook.end_head, _HEAD.pack
+    waits = hook.waits
     op_key = op << 48             # heads are keyed by (peer, op, size) in one int
     slow_world = _world_getter(dc10d)
 
@@ -407,7 +479,8 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
             if result is not None:
                 req = next(hook.req_ids)
                 end_head(_head(op, F_ASYNC, peer, comm_id, nbytes, req))
-                return _Work(result, req, hook)
+                waits.track(result, req)
+                return result
             head = _head(op, 0, peer, comm_id, nbytes, 0)   # nothing to wait for
         elif name == "recv" and peer == -1 and isinstance(result, int):
             head = _head(op, 0, result, comm_id, nbytes, 0)  # any source: the sender
@@ -488,9 +561,11 @@ def _wrap_batch(fn, hook: _Hook, dc10d):
             reqs.append(next(hook.req_ids))
             record(op, comm_id, peer, nbytes, t0, t1, F_ASYNC | F_GROUPED, reqs[-1])
         record(OP_GROUP, 0, -1, len(ops), t0, t1, 0, 0)
-        if works is None or len(works) != len(ops):
-            return works  # coalesced into fewer works: completion is not attributed
-        return [_Work(w, r, hook) for w, r in zip(works, reqs, strict=True)]
+        if works is None or len(works) != len(ops) or len({id(w) for w in works}) != len(ops):
+            return works  # coalesced (fewer works, or one twice): completion is not attributed
+        for work, req in zip(works, reqs, strict=True):
+            hook.waits.track(work, req)
+        return works
 
     wrapper.__greyhound_wrapped__ = fn
     return wrapper
@@ -637,8 +712,8 @@ class _DDP:
 
     def patch_join(self, join_cls) -> None:
         """Join.notify_join_context hands its all_reduce's Work to the reducer, which
-        takes only torch's own Work, not the capture's _Work proxy: the call inside
-        runs unrecorded (begin() marks the thread busy), its Work as torch made it."""
+        waits on it in C++, where no Wait record would be written: the call inside
+        runs unrecorded (begin() marks the thread busy)."""
         notify = join_cls.__dict__.get("notify_join_context")
         if not isinstance(notify, staticmethod) or hasattr(notify.__func__,
                                                            "__greyhound_wrapped__"):
