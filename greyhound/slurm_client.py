@@ -79,6 +79,8 @@ class SlurmClient(Protocol):
 
     def set_comment(self, job_id: str, comment: str) -> None: ...
 
+    def owner_ids(self, job_id: str) -> tuple[int, int]: ...
+
     def hostnames(self, node_list: str) -> list[str]: ...
 
     def listpids(self, job_step: str) -> str: ...
@@ -175,6 +177,23 @@ class CommandLineClient:
         except SlurmError:
             return ""  # squeue fails for a job id the controller has already purged
         return out.strip().split("\n")[0] if out.strip() else ""
+
+    def owner_ids(self, job_id: str) -> tuple[int, int]:
+        """(uid, gid) the job ran as: the controller's view while it still holds the job
+        (sacct's reads uid 0 for a moment after a job ends), else accounting's."""
+        job_id = check_job_id(job_id)
+        try:
+            out = _run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%U %G"], what=f"job {job_id}")
+        except SlurmError:
+            out = ""      # squeue fails for a job id the controller has already purged
+        if not out.strip():
+            out = _run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "UID,GID"], what=f"job {job_id}")
+            out = out.strip().splitlines()[-1].replace("|", " ") if out.strip() else ""
+        try:
+            uid, gid = (int(x) for x in out.split()[:2])
+        except ValueError:
+            raise SlurmError(f"job {job_id}: cannot tell which user it ran as (got {out.strip()!r})") from None
+        return uid, gid
 
     def listpids(self, job_step: str) -> str:
         """Raw `scontrol listpids JOB[.STEP]` output: this host's processes of the job."""

@@ -138,17 +138,23 @@ class JobOwner:
     home: str
 
 
-def job_owner(user: str, env: dict[str, str] | None = None) -> JobOwner:
-    """Who the job ran as: SLURM_JOB_UID/GID as slurmctld passes them to
-    EpilogSlurmctld, else the accounting record's user and their primary group."""
-    env = os.environ if env is None else env
+def job_owner(uid: int, gid: int) -> JobOwner:
+    """The job's user as this host knows them, with their groups."""
     try:
-        entry = pwd.getpwuid(int(env["SLURM_JOB_UID"])) if "SLURM_JOB_UID" in env else pwd.getpwnam(user)
-    except (KeyError, ValueError) as exc:
-        raise GreyhoundError(f"the job's user {user!r} is unknown on this host") from exc
-    gid = int(env.get("SLURM_JOB_GID", entry.pw_gid))
-    return JobOwner(uid=entry.pw_uid, gid=gid, groups=tuple(os.getgrouplist(entry.pw_name, gid)),
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        raise GreyhoundError(f"the job's uid {uid} is unknown on this host") from None
+    return JobOwner(uid=uid, gid=gid, groups=tuple(os.getgrouplist(entry.pw_name, gid)),
                     name=entry.pw_name, home=entry.pw_dir)
+
+
+def job_owner_ids(job_id: str, client, env: dict[str, str]) -> tuple[int, int]:
+    """(uid, gid) of the job: SLURM_JOB_UID/GID as slurmctld gives them to EpilogSlurmctld,
+    else what Slurm says (a run by hand)."""
+    try:
+        return int(env["SLURM_JOB_UID"]), int(env["SLURM_JOB_GID"])
+    except (KeyError, ValueError):
+        return client.owner_ids(job_id)
 
 
 class Busy(GreyhoundError):
@@ -295,8 +301,7 @@ def run(job_id: str, *, config: EpilogConfig | None = None, env: dict[str, str] 
     config = config or read_config(env)
     t0 = time.monotonic()
     client = connect()
-    record = client.job(job_id)
-    owner = job_owner(record.user, env)
+    owner = job_owner(*job_owner_ids(job_id, client, os.environ if env is None else env))
     try:
         with analysis_slot(config):
             summary = analyze_as_user(job_id, owner, config)
@@ -304,7 +309,7 @@ def run(job_id: str, *, config: EpilogConfig | None = None, env: dict[str, str] 
         summary = f"greyhound: no post-mortem: {exc}; run greyhound postmortem on the trace yourself"
     if summary is None:
         return None
-    record = client.job(job_id)      # the user may have changed the comment meanwhile
+    record = client.job(job_id)
     client.set_comment(job_id, merge_comment(record.comment, summary))
     log.info("job %s (%s): %s (%.1fs)", job_id, owner.name, summary, time.monotonic() - t0)
     return summary

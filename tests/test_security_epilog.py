@@ -301,3 +301,18 @@ def test_an_analysis_over_its_time_limit_is_stopped_with_a_line(finished_job, lo
 def test_an_analysis_over_its_memory_limit_leaves_a_line(finished_job, lock_dir):
     summary = _epilog(finished_job, mem_kb=50_000, lock_dir=lock_dir)
     assert summary == "greyhound: no post-mortem: the analysis ran out of memory (GREYHOUND_EPILOG_MEM_KB)"
+
+
+def test_the_owner_is_the_jobs_user_even_as_it_ends(users):
+    """sacct reports uid 0 for a moment after a job ends; the epilog must never take that."""
+    from greyhound.slurm_client import connect
+
+    attacker, _ = users
+    job = submit_as(ATTACKER, "#!/bin/bash\ntrue\n")
+    client = connect()
+    seen = set()
+    while job.state() in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") or not seen:
+        seen.add(client.owner_ids(job.job_id))
+    assert job.wait() == "COMPLETED"
+    seen.add(client.owner_ids(job.job_id))
+    assert seen == {(attacker.pw_uid, attacker.pw_gid)}
