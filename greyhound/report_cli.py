@@ -8,7 +8,9 @@ HTML page named in the summary, when the caller may read it.
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from pathlib import Path
 
 import click
@@ -48,12 +50,40 @@ def job_report(job_id: str) -> dict:
         page = Path(path.group(1))
         out["report"] = str(page)
         try:
-            out["postmortem"] = json.loads((page.parent / "postmortem.json").read_text())
+            out["postmortem"] = json.loads(_read_report_json(page, record.job_id, client.owner_ids(record.job_id)[0]))
         except PermissionError:
             out["postmortem_error"] = f"{page.parent} is readable only by the job's user and admins"
         except (OSError, ValueError) as exc:
             out["postmortem_error"] = f"cannot read {page.parent / 'postmortem.json'}: {exc}"
     return out
+
+
+_REPORT_JSON_MAX_BYTES = 64 << 20
+
+
+def _read_report_json(page: Path, job_id: str, owner_uid: int) -> str:
+    """The postmortem.json beside the report page named on the record.
+
+    The record's comment is the job user's to change, so the path is taken only where
+    the epilog writes reports (``.../<job>/report/`` or ``.../greyhound-<job>/``), the
+    file only if it is a regular file of the job's user, opened without following a
+    symlink or blocking on a FIFO, and no bigger than a report gets.
+
+    Raises:
+        ValueError: the path or the file is not one the post-mortem wrote.
+        OSError: it cannot be read.
+    """
+    base_job_id = job_id.split("_")[0]
+    where = page.parent
+    expected = (where.name == "report" and where.parent.name == base_job_id) or where.name == f"greyhound-{job_id}"
+    if not page.is_absolute() or page.name != "report.html" or not expected or ".." in page.parts:
+        raise ValueError(f"{page} is not where greyhound writes job {job_id}'s report")
+    fd = os.open(where / "postmortem.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != owner_uid or st.st_size > _REPORT_JSON_MAX_BYTES:
+            raise ValueError("it is not a report file written for the job's user")
+        return f.read(_REPORT_JSON_MAX_BYTES).decode("utf-8")
 
 
 _EVIDENCE_ITEMS = 3   # entries of a list shown on the line (the JSON has them all)

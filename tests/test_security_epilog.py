@@ -316,3 +316,45 @@ def test_the_owner_is_the_jobs_user_even_as_it_ends(users):
     assert job.wait() == "COMPLETED"
     seen.add(client.owner_ids(job.job_id))
     assert seen == {(attacker.pw_uid, attacker.pw_gid)}
+
+
+# --- greyhound report: the report path on the record is the user's to set -----------------
+
+
+def test_report_does_not_read_a_path_the_user_put_on_the_record(users, protected):
+    root_dir, _ = protected
+    (root_dir / "postmortem.json").write_text('{"slowdown": 1.0, "secret": "root only"}')
+    fake = f"greyhound: S=9.99 (0% GPU-time lost); report {root_dir}/report.html"
+    job = submit_as(ATTACKER, f"#!/bin/bash\nscontrol update job=$SLURM_JOB_ID comment='{fake}'\n")
+    assert job.wait() == "COMPLETED"
+    proc = subprocess.run([str(REPO / ".venv/bin/greyhound"), "report", "--json", job.job_id],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    shown = json.loads(proc.stdout)
+    assert shown["summary"] == fake and shown["postmortem"] is None
+    assert "is not where greyhound writes" in shown["postmortem_error"]
+    assert "root only" not in proc.stdout
+
+
+def test_report_json_must_be_the_job_users_regular_file(users, tmp_path):
+    from greyhound.report_cli import _read_report_json
+
+    attacker, _ = users
+    report = tmp_path / "77" / "report"
+    report.mkdir(parents=True)
+    (report / "postmortem.json").write_text('{"from": "root"}')          # root's, not the user's
+    with pytest.raises(ValueError, match="not a report file written for the job's user"):
+        _read_report_json(report / "report.html", "77", attacker.pw_uid)
+    os.chown(report / "postmortem.json", attacker.pw_uid, attacker.pw_gid)
+    assert _read_report_json(report / "report.html", "77", attacker.pw_uid) == '{"from": "root"}'
+    (report / "postmortem.json").unlink()
+    (report / "postmortem.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(OSError):
+        _read_report_json(report / "report.html", "77", attacker.pw_uid)
+    os.mkfifo(report / "fifo")
+    (report / "postmortem.json").unlink()
+    (report / "fifo").rename(report / "postmortem.json")
+    with pytest.raises(ValueError):                                      # a FIFO: refused, not waited on
+        _read_report_json(report / "report.html", "77", attacker.pw_uid)
