@@ -27,6 +27,9 @@ __thread int gh_nesting __attribute__((tls_model("initial-exec")));
 struct gh_ring_header *gh_hdr;
 struct gh_record *gh_records;
 uint64_t gh_mask;
+struct gh_comm_entry *gh_comm_table;
+uint32_t gh_comm_capacity;
+int gh_trace;
 
 static uint64_t pause_timeout_ns = 60ull * 1000000000ull;
 static uint32_t gate_released_epoch; /* a gate epoch that timed out is not obeyed again */
@@ -237,6 +240,8 @@ static void atfork_child(void)
 	 */
 	gh_hdr = NULL;
 	gh_records = NULL;
+	gh_comm_table = NULL;
+	gh_comm_capacity = 0;
 	gh_nccl_atfork_child();
 	gh_py_atfork_child();
 	gh_clock_atfork_child();
@@ -250,7 +255,7 @@ static int open_ring(void)
 	char path[4096];
 	uint32_t capacity, hook_flags;
 	int allow_tsc;
-	size_t bytes;
+	size_t bytes = 0, comms_offset, records_offset;
 	struct gh_ring_header *hdr = MAP_FAILED;
 	struct timespec rt;
 	long rank;
@@ -264,8 +269,16 @@ static int open_ring(void)
 	if (read_config(&capacity, &hook_flags, &allow_tsc) < 0)
 		goto fail;
 	rank = global_rank();
-	bytes = GH_RING_HEADER_BYTES + GH_COMM_CAPACITY * sizeof(struct gh_comm_entry) +
-		(size_t)capacity * sizeof(struct gh_record);
+	/* The layout, fixed here and kept in process-private memory (see hook.h). */
+	comms_offset = GH_RING_HEADER_BYTES;
+	records_offset = comms_offset + GH_COMM_CAPACITY * sizeof(struct gh_comm_entry);
+	bytes = records_offset + (size_t)capacity * sizeof(struct gh_record);
+	if (capacity < GH_RING_MIN_RECORDS || capacity > GH_RING_MAX_RECORDS ||
+	    (capacity & (capacity - 1)) != 0 || records_offset % _Alignof(struct gh_record) != 0) {
+		gh_log_once(GH_P_RING_OPEN, "ring layout of %u records is not valid; recording off",
+			    capacity);
+		goto fail;
+	}
 
 	fd = open_ring_file(dir, rank, path, sizeof(path));
 	if (fd < 0) {
@@ -291,10 +304,10 @@ static int open_ring(void)
 	hdr->header_bytes = GH_RING_HEADER_BYTES;
 	hdr->record_bytes = sizeof(struct gh_record);
 	hdr->capacity = capacity;
-	hdr->comms_offset = GH_RING_HEADER_BYTES;
+	hdr->comms_offset = comms_offset;
 	hdr->comm_bytes = sizeof(struct gh_comm_entry);
 	hdr->comm_capacity = GH_COMM_CAPACITY;
-	hdr->records_offset = GH_RING_HEADER_BYTES + GH_COMM_CAPACITY * sizeof(struct gh_comm_entry);
+	hdr->records_offset = records_offset;
 	hdr->rank = (int32_t)rank;
 	hdr->pid = (int32_t)getpid();
 	/*
@@ -316,8 +329,12 @@ static int open_ring(void)
 	__atomic_thread_fence(__ATOMIC_RELEASE);
 	memcpy(hdr->magic, GH_RING_MAGIC, sizeof(GH_RING_MAGIC));
 
-	gh_records = (struct gh_record *)((char *)hdr + hdr->records_offset);
+	/* From the private values, never from the header just written (see hook.h). */
+	gh_records = (struct gh_record *)((char *)hdr + records_offset);
 	gh_mask = capacity - 1;
+	gh_comm_table = (struct gh_comm_entry *)((char *)hdr + comms_offset);
+	gh_comm_capacity = GH_COMM_CAPACITY;
+	gh_trace = (hook_flags & GH_HOOK_TRACE) != 0;
 	gh_hdr = hdr;
 	hdr = MAP_FAILED; /* owned by the process state now */
 	rv = 0;
@@ -401,14 +418,15 @@ void gh_comm_publish(uint64_t comm_id, uint64_t parent_id, int32_t size, int32_t
 
 	if (!hdr)
 		return;
+	/* num_comms is shared (a reader may have scribbled on it): checked against our capacity. */
 	idx = __atomic_fetch_add(&hdr->num_comms, 1, __ATOMIC_RELAXED);
-	if (idx >= hdr->comm_capacity) {
+	if (idx >= gh_comm_capacity) {
 		__atomic_fetch_add(&hdr->comm_overflow, 1, __ATOMIC_RELAXED);
 		gh_log_once(GH_P_COMM_TABLE, "more than %u communicators; later ones are not described in the ring",
-			    hdr->comm_capacity);
+			    gh_comm_capacity);
 		return;
 	}
-	table = (struct gh_comm_entry *)((char *)hdr + hdr->comms_offset);
+	table = gh_comm_table;
 	table[idx].comm_id = comm_id;
 	table[idx].parent_id = parent_id;
 	table[idx].t_create_ns = gh_now_ns();
@@ -427,10 +445,10 @@ void gh_comm_retire(uint64_t comm_id)
 
 	if (!hdr)
 		return;
-	table = (struct gh_comm_entry *)((char *)hdr + hdr->comms_offset);
+	table = gh_comm_table;
 	n = __atomic_load_n(&hdr->num_comms, __ATOMIC_ACQUIRE);
-	if (n > hdr->comm_capacity)
-		n = hdr->comm_capacity;
+	if (n > gh_comm_capacity)
+		n = gh_comm_capacity;
 	for (uint32_t i = n; i-- > 0;) {
 		if (table[i].comm_id == comm_id &&
 		    __atomic_load_n(&table[i].state, __ATOMIC_ACQUIRE) == GH_COMM_LIVE) {

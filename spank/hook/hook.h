@@ -117,8 +117,19 @@ enum gh_state { GH_UNINIT = 0, GH_INITIALISING = 1, GH_ON = 2, GH_OFF = 3 };
 extern int gh_state_cached;          /* plain copy of the state for the fast check */
 extern __thread int gh_nesting __attribute__((tls_model("initial-exec")));
 extern struct gh_ring_header *gh_hdr; /* NULL unless GH_ON */
+
+/*
+ * Where the hook writes in the mapping comes from these process-private copies,
+ * made when it created the ring: the header's copies of the same numbers are for
+ * readers, and any process of the user can scribble on them. Only counters and
+ * the gate are read back from the header, and none of them indexes anything
+ * unchecked.
+ */
 extern struct gh_record *gh_records;
-extern uint64_t gh_mask;
+extern uint64_t gh_mask;                  /* records - 1 (a power of two) */
+extern struct gh_comm_entry *gh_comm_table;
+extern uint32_t gh_comm_capacity;
+extern int gh_trace;                      /* GREYHOUND_TRACE=on: device timing of NCCL ops */
 
 int gh_init_slow(void);
 
