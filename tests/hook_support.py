@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SPANK = ROOT / "spank"
 HOOK_DIR = SPANK / "hook"
 NCCL_DOUBLE = ROOT / "tests" / "nccl_double"
+MPICH_STANDIN = ROOT / "tests" / "mpich_standin"
 PYTHON = sys.executable
 ASAN_CFLAGS = "-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer"
 
@@ -72,6 +73,19 @@ def nccl_prog() -> Path:
          "-Wl,--no-as-needed", str(out / "libnccl.so.2"), str(out / "libcudart.so.12"),
          f"-Wl,-rpath,{out}"])
     return out / "nccl_prog"
+
+
+@functools.cache
+def mpich_prog() -> Path:
+    """tests/mpich_standin/prog linked to the stand-in libmpi with MPICH's ABI."""
+    out = build_dir() / "mpich"
+    out.mkdir(exist_ok=True)
+    flags = ["-O1", "-g", "-Wall", "-Wextra", "-Werror"]
+    _cc([*flags, "-shared", "-fpic", "-Wl,-soname,libmpi.so.12", "-o",
+         str(out / "libmpi.so.12"), str(MPICH_STANDIN / "libmpi.c")])
+    _cc([*flags, f"-I{MPICH_STANDIN}", "-o", str(out / "prog"), str(MPICH_STANDIN / "prog.c"),
+         str(out / "libmpi.so.12"), f"-Wl,-rpath,{out}"])
+    return out / "prog"
 
 
 def asan_preload() -> str:

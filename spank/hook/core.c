@@ -371,6 +371,18 @@ int gh_init_slow(void)
 	return 1;
 }
 
+int gh_abi_check_slow(int *state, int (*check)(void))
+{
+	int expected = GH_ABI_UNCHECKED, verdict;
+
+	if (!__atomic_compare_exchange_n(state, &expected, GH_ABI_CHECKING, 0, __ATOMIC_ACQ_REL,
+					 __ATOMIC_ACQUIRE))
+		return expected == GH_ABI_OK; /* foreign, or another thread is checking: pass through */
+	verdict = check() == 0 ? GH_ABI_OK : GH_ABI_FOREIGN;
+	__atomic_store_n(state, verdict, __ATOMIC_RELEASE);
+	return verdict == GH_ABI_OK;
+}
+
 void gh_gate_slow(void)
 {
 	struct gh_ring_header *hdr = gh_hdr;

@@ -38,6 +38,8 @@ enum gh_problem {
 	GH_P_CUDA,
 	GH_P_FORK,
 	GH_P_RANK,
+	GH_P_MPI_ABI,
+	GH_P_NCCL_ABI,
 	GH_P_COUNT
 };
 
@@ -155,6 +157,24 @@ static inline int gh_enter(void)
 static inline void gh_leave(void)
 {
 	gh_nesting = 0;
+}
+
+/*
+ * Whether a library whose calls the hook interposes (MPI, NCCL) has the ABI the
+ * hook was built for: checked once, at the first call of that family, before
+ * anything is recorded. Until it is known good (while another thread checks, or
+ * for ever if it is foreign) the family's calls pass straight through. A check
+ * returns 0 if the ABI is known, else -1 after one line saying why.
+ */
+enum gh_abi { GH_ABI_UNCHECKED = 0, GH_ABI_CHECKING = 1, GH_ABI_OK = 2, GH_ABI_FOREIGN = 3 };
+
+int gh_abi_check_slow(int *state, int (*check)(void));
+
+static inline int gh_abi_ok(int *state, int (*check)(void))
+{
+	if (GH_LIKELY(__atomic_load_n(state, __ATOMIC_ACQUIRE) == GH_ABI_OK))
+		return 1;
+	return gh_abi_check_slow(state, check);
 }
 
 void gh_gate_slow(void);

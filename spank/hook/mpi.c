@@ -13,13 +13,36 @@
  *
  * Built against Open MPI's mpi.h (handles are pointers); MPI_COMM_WORLD is
  * looked up at run time because its address lives in libmpi.
+ *
+ * The plugin preloads the hook into every job, whatever MPI it was built with,
+ * and an MPICH-family library (MPICH, Intel MPI, MVAPICH, Cray MPICH) gives the
+ * same bits other meanings: its handles are ints, its MPI_PROC_NULL (-1) is
+ * Open MPI's MPI_ANY_SOURCE and its MPI_STATUS_IGNORE is (MPI_Status *)1. So
+ * the first MPI call checks that the library is the one the hook was built for
+ * (mpi_abi_check); until then, and for ever if it is not, every MPI_* call goes
+ * straight to the library, untouched. After the check the cost is one load and
+ * a branch per call.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <mpi.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
 
 #include "hook.h"
+
+#ifdef OPEN_MPI
+/*
+ * The Open MPI releases whose libmpi.so.40 keeps the C ABI this file is compiled
+ * against (3.0 to 5.0 share that soname); the values below are the ones the
+ * code relies on, fixed by that ABI.
+ */
+#define OMPI_ABI_MIN_MAJOR 3
+#define OMPI_ABI_MAX_MAJOR 5
+_Static_assert(MPI_SUCCESS == 0 && MPI_ANY_SOURCE == -1 && MPI_UNDEFINED == -32766 &&
+	       MPI_COMBINER_NAMED == 0, "Open MPI constants the hook assumes");
+#endif
 
 #define DECLARE_REAL(fn) static void *real_##fn
 #define REAL(fn) ((__typeof__(&fn))gh_resolve(&real_##fn, #fn))
@@ -62,6 +85,68 @@ static MPI_Comm world_comm(void)
 #else
 	return MPI_COMM_WORLD;
 #endif
+}
+
+/* The file that defines libmpi's MPI_Comm_size (not interposed), for messages. */
+static const char *mpi_library_name(void)
+{
+	void *p = gh_lookup_loaded("MPI_Comm_size");
+	Dl_info where;
+
+	if (p && dladdr(p, &where) && where.dli_fname && where.dli_fname[0])
+		return where.dli_fname;
+	return "the MPI library";
+}
+
+/* 0 if the MPI library in this process has the ABI the hook was compiled for. */
+static int mpi_abi_check(void)
+{
+#ifdef OPEN_MPI
+	/* Static: the check runs once, in one thread (gh_abi_check_slow). */
+	static char version[4096];
+	int (*get_version)(char *, int *);
+	int len = 0, major = -1;
+
+	if (!world_comm()) {
+		gh_log_once(GH_P_MPI_ABI, "%.200s is not Open MPI (no ompi_mpi_comm_world), and the hook is built for Open MPI's ABI; MPI calls pass through unrecorded",
+			    mpi_library_name());
+		return -1;
+	}
+	/*
+	 * Open MPI's own word for its version (callable at any time, MPI-3). Only
+	 * asked once the library is known to be Open MPI, whose version string fits
+	 * in MPI_MAX_LIBRARY_VERSION_STRING (256) bytes, far below the buffer.
+	 */
+	get_version = (int (*)(char *, int *))gh_lookup_loaded("MPI_Get_library_version");
+	if (!get_version || get_version(version, &len) != MPI_SUCCESS ||
+	    sscanf(version, "Open MPI v%d.", &major) != 1) {
+		gh_log_once(GH_P_MPI_ABI, "%.200s does not say which Open MPI it is (MPI_Get_library_version); MPI calls pass through unrecorded",
+			    mpi_library_name());
+		return -1;
+	}
+	if (major < OMPI_ABI_MIN_MAJOR || major > OMPI_ABI_MAX_MAJOR) {
+		gh_log_once(GH_P_MPI_ABI, "Open MPI %d (%.200s) is not one whose ABI the hook knows (Open MPI %d to %d); MPI calls pass through unrecorded",
+			    major, mpi_library_name(), OMPI_ABI_MIN_MAJOR, OMPI_ABI_MAX_MAJOR);
+		return -1;
+	}
+	return 0;
+#else
+	/* Built against another MPI's mpi.h: Open MPI is the one library known not to match. */
+	if (dlsym(RTLD_DEFAULT, "ompi_mpi_comm_world") || gh_lookup_loaded("ompi_mpi_comm_world")) {
+		gh_log_once(GH_P_MPI_ABI, "%.200s is Open MPI, and the hook is built for another MPI's ABI; MPI calls pass through unrecorded",
+			    mpi_library_name());
+		return -1;
+	}
+	return 0;
+#endif
+}
+
+static int mpi_abi = GH_ABI_UNCHECKED;
+
+/* gh_enter() for MPI calls: also 0 while the library's ABI is not known to match. */
+static inline int mpi_enter(void)
+{
+	return gh_abi_ok(&mpi_abi, mpi_abi_check) && gh_enter();
 }
 
 /* Member hash over world ranks; 0 if MPI cannot tell (then the id is local). */
@@ -234,7 +319,7 @@ GH_EXPORT int MPI_Allreduce(const void *sendbuf, void *recvbuf, int count,
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(sendbuf, recvbuf, count, datatype, op, comm);
 	gh_gate();
 	t0 = gh_now_ns();
@@ -259,7 +344,7 @@ GH_EXPORT int MPI_Reduce_scatter(const void *sendbuf, void *recvbuf, const int r
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(sendbuf, recvbuf, recvcounts, datatype, op, comm);
 	gh_gate();
 	t0 = gh_now_ns();
@@ -286,7 +371,7 @@ GH_EXPORT int MPI_Reduce_scatter_block(const void *sendbuf, void *recvbuf, int r
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(sendbuf, recvbuf, recvcount, datatype, op, comm);
 	gh_gate();
 	t0 = gh_now_ns();
@@ -310,7 +395,7 @@ GH_EXPORT int MPI_Allgather(const void *sendbuf, int sendcount, MPI_Datatype sen
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm);
 	gh_gate();
 	t0 = gh_now_ns();
@@ -335,7 +420,7 @@ GH_EXPORT int MPI_Bcast(void *buffer, int count, MPI_Datatype datatype, int root
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(buffer, count, datatype, root, comm);
 	gh_gate();
 	t0 = gh_now_ns();
@@ -358,7 +443,7 @@ GH_EXPORT int MPI_Reduce(const void *sendbuf, void *recvbuf, int count, MPI_Data
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(sendbuf, recvbuf, count, datatype, op, root, comm);
 	gh_gate();
 	t0 = gh_now_ns();
@@ -381,7 +466,7 @@ GH_EXPORT int MPI_Barrier(MPI_Comm comm)
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(comm);
 	gh_gate();
 	t0 = gh_now_ns();
@@ -406,7 +491,7 @@ GH_EXPORT int MPI_Send(const void *buf, int count, MPI_Datatype datatype, int de
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(buf, count, datatype, dest, tag, comm);
 	gh_gate();
 	t0 = gh_now_ns();
@@ -429,7 +514,7 @@ GH_EXPORT int MPI_Recv(void *buf, int count, MPI_Datatype datatype, int source, 
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(buf, count, datatype, source, tag, comm, status);
 	gh_gate();
 	t0 = gh_now_ns();
@@ -455,7 +540,7 @@ GH_EXPORT int MPI_Sendrecv(const void *sendbuf, int sendcount, MPI_Datatype send
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(sendbuf, sendcount, sendtype, dest, sendtag, recvbuf, recvcount,
 			    recvtype, source, recvtag, comm, status);
 	gh_gate();
@@ -481,7 +566,7 @@ GH_EXPORT int MPI_Isend(const void *buf, int count, MPI_Datatype datatype, int d
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(buf, count, datatype, dest, tag, comm, request);
 	gh_gate();
 	t0 = gh_now_ns();
@@ -505,7 +590,7 @@ GH_EXPORT int MPI_Irecv(void *buf, int count, MPI_Datatype datatype, int source,
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(buf, count, datatype, source, tag, comm, request);
 	gh_gate();
 	t0 = gh_now_ns();
@@ -531,7 +616,7 @@ GH_EXPORT int MPI_Wait(MPI_Request *request, MPI_Status *status)
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(request, status);
 	gh_gate();
 	req = request ? (uint64_t)(uintptr_t)*request : 0; /* the call resets it */
@@ -553,7 +638,7 @@ GH_EXPORT int MPI_Waitall(int count, MPI_Request array_of_requests[],
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(count, array_of_requests, array_of_statuses);
 	gh_gate();
 	n = count <= WAIT_TRACKED && array_of_requests ? count : 0;
@@ -580,7 +665,7 @@ GH_EXPORT int MPI_Waitany(int count, MPI_Request array_of_requests[], int *index
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(count, array_of_requests, index, status);
 	gh_gate();
 	n = count <= WAIT_TRACKED && array_of_requests ? count : 0;
@@ -605,7 +690,7 @@ GH_EXPORT int MPI_Waitsome(int incount, MPI_Request array_of_requests[], int *ou
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!gh_enter())
+	if (!mpi_enter())
 		return real(incount, array_of_requests, outcount, array_of_indices,
 			    array_of_statuses);
 	gh_gate();
@@ -638,7 +723,7 @@ GH_EXPORT int MPI_Comm_free(MPI_Comm *comm)
 
 	if (GH_UNLIKELY(!real))
 		return MPI_ERR_INTERN;
-	if (!comm || !gh_enter())
+	if (!comm || !mpi_enter())
 		return real(comm);
 	handle = handle_of(*comm);
 	known = gh_comm_lookup(GH_SRC_MPI, handle, &ci);
