@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from hook_support import asan_preload, base_env, hook_lib, hook_lib_asan, mpich_prog, run
+from hook_support import (asan_preload, base_env, hook_lib, hook_lib_asan, mpich_prog, nccl_prog,
+                          run)
 from test_hook_asan import SAN
 
 # tests/mpich_standin/prog under the stand-in libmpi (MPICH's ABI, one process).
@@ -72,3 +73,37 @@ def test_mpich_abi_program_under_sanitizers(tmp_path, without_hook):
     assert_passed_through(proc, without_hook, tmp_path)
     for marker in ("AddressSanitizer", "runtime error"):
         assert marker not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("version,says", [
+    ("30000", "NCCL 3.0.0"),                 # a major version the hook has not seen
+    ("21705", "NCCL 2.17.5"),                # older than the vendored ABI (no ncclCommSplit)
+    ("2708", "NCCL 2.7.8"),                  # the version code of NCCL before 2.9
+    ("error", "does not say which NCCL"),    # ncclGetVersion fails
+])
+def test_unknown_nccl_version_passes_through_with_one_line(tmp_path, version, says):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = run([str(nccl_prog()), str(tmp_path / "id"), "3"],
+               base_env(run_dir, hook_lib(), GREYHOUND_TRACE="on", NCCL_DOUBLE_VERSION=version))
+    assert (proc.returncode, proc.stdout) == (0, "ok\n"), proc.stderr
+    lines = hook_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0] == proc.stderr.rstrip("\n"), proc.stderr
+    assert lines[0].startswith("greyhound: hook: ")
+    assert says in lines[0] and "pass through" in lines[0] and "libnccl.so.2" in lines[0]
+    assert list(run_dir.iterdir()) == []          # no ring, no device timing
+
+
+@pytest.mark.parametrize("version", ["21800", "22105", "29999"])
+def test_known_nccl_versions_are_recorded(tmp_path, version):
+    from greyhound.ring import OP, RingReader, ring_paths
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = run([str(nccl_prog()), str(tmp_path / "id"), "1"],
+               base_env(run_dir, hook_lib(), NCCL_DOUBLE_VERSION=version))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "ok\n", "")
+    (path,) = ring_paths(run_dir)
+    with RingReader(path) as ring:
+        recs = ring.read().records
+    assert (recs["op"] == OP["AllReduce"]).sum() == 2

@@ -13,14 +13,20 @@
  * Communicator ids: FNV-1a over the ncclUniqueId (the same bytes on every
  * member); a split's id is FNV-1a over (parent id, colour, n-th split of the
  * parent), all of which the members agree on.
+ *
+ * The first NCCL call checks the library's version (ncclGetVersion) against
+ * the releases whose ABI the hook knows (nccl_abi/nccl_versions.h); outside
+ * them every NCCL call goes straight to the library, untouched.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <stdint.h>
 #include <string.h>
 
 #include <nccl.h>
 
 #include "hook.h"
+#include "nccl_abi/nccl_versions.h"
 
 #define DECLARE_REAL(fn) static void *real_##fn
 #define REAL(fn) ((__typeof__(&fn))gh_resolve(&real_##fn, #fn))
@@ -31,6 +37,55 @@ DECLARE_REAL(ncclCommUserRank);
 static __thread int group_depth __attribute__((tls_model("initial-exec")));
 static __thread uint64_t group_t0 __attribute__((tls_model("initial-exec")));
 static __thread uint32_t group_ops __attribute__((tls_model("initial-exec")));
+
+/* ---- the library's ABI ----------------------------------------------------- */
+
+static const char *nccl_library_name(void *symbol)
+{
+	Dl_info where;
+
+	if (symbol && dladdr(symbol, &where) && where.dli_fname && where.dli_fname[0])
+		return where.dli_fname;
+	return "the NCCL library";
+}
+
+/* 0 if the NCCL in this process is a release whose ABI the hook knows. */
+static int nccl_abi_check(void)
+{
+	void *sym = gh_lookup_loaded("ncclGetVersion"); /* not interposed */
+	ncclResult_t (*get_version)(int *) = (ncclResult_t (*)(int *))sym;
+	int code = 0, major, minor, patch;
+
+	if (!get_version || get_version(&code) != ncclSuccess) {
+		gh_log_once(GH_P_NCCL_ABI, "%.200s does not say which NCCL it is (ncclGetVersion); NCCL calls pass through unrecorded",
+			    nccl_library_name(sym));
+		return -1;
+	}
+	if (code >= GH_NCCL_ABI_MIN_VERSION && code <= GH_NCCL_ABI_MAX_VERSION)
+		return 0;
+	/* NCCL_VERSION(): X*10000 + Y*100 + Z from 2.9 on, X*1000 + Y*100 + Z before. */
+	if (code >= 10000) {
+		major = code / 10000;
+		minor = code / 100 % 100;
+	} else {
+		major = code / 1000;
+		minor = code / 100 % 10;
+	}
+	patch = code % 100;
+	gh_log_once(GH_P_NCCL_ABI, "NCCL %d.%d.%d (%.200s, version code %d) is not a release whose ABI the hook knows (%d.%d to %d.x); NCCL calls pass through unrecorded",
+		    major, minor, patch, nccl_library_name(sym), code,
+		    GH_NCCL_ABI_MIN_VERSION / 10000, GH_NCCL_ABI_MIN_VERSION / 100 % 100,
+		    GH_NCCL_ABI_MAX_VERSION / 10000);
+	return -1;
+}
+
+static int nccl_abi = GH_ABI_UNCHECKED;
+
+/* gh_enter() for NCCL calls: also 0 while the library's version is not known good. */
+static inline int nccl_enter(void)
+{
+	return gh_abi_ok(&nccl_abi, nccl_abi_check) && gh_enter();
+}
 
 static uint64_t dtype_bytes(ncclDataType_t t, size_t count)
 {
@@ -91,7 +146,7 @@ static int ev_setup(void)
 	if (ev.ready)
 		return ev.ready > 0;
 	ev.ready = -1;
-	if (!(gh_hdr->hook_flags & GH_HOOK_TRACE))
+	if (!gh_trace)
 		return 0;
 	ev.create = (event_create_fn)gh_lookup_loaded("cudaEventCreateWithFlags");
 	ev.record = (event_record_fn)gh_lookup_loaded("cudaEventRecord");
@@ -136,7 +191,7 @@ static int ev_begin(void *stream)
 {
 	int idx = -1;
 
-	if (!(gh_hdr->hook_flags & GH_HOOK_TRACE) || !ev_trylock())
+	if (!gh_trace || !ev_trylock())
 		return -1;
 	if (!ev_setup())
 		goto out;
@@ -284,7 +339,7 @@ GH_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUnique
 
 	if (GH_UNLIKELY(!real))
 		return ncclInternalError;
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real(comm, nranks, commId, rank);
 	t0 = gh_now_ns();
 	rc = real(comm, nranks, commId, rank);
@@ -305,7 +360,7 @@ GH_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, nccl
 
 	if (GH_UNLIKELY(!real))
 		return ncclInternalError;
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real(comm, nranks, commId, rank, config);
 	t0 = gh_now_ns();
 	rc = real(comm, nranks, commId, rank, config);
@@ -327,7 +382,7 @@ GH_EXPORT ncclResult_t ncclCommInitRankScalable(ncclComm_t *newcomm, int nranks,
 
 	if (GH_UNLIKELY(!real))
 		return ncclInvalidUsage; /* an NCCL older than 2.23 has no such call */
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real(newcomm, nranks, myrank, nId, commIds, config);
 	t0 = gh_now_ns();
 	rc = real(newcomm, nranks, myrank, nId, commIds, config);
@@ -354,7 +409,7 @@ GH_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclCo
 
 	if (GH_UNLIKELY(!real))
 		return ncclInternalError;
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real(comm, color, key, newcomm, config);
 	comm_info(comm, &parent);
 	/* Every member of the parent calls split, so all agree on this count. */
@@ -388,7 +443,7 @@ static ncclResult_t comm_end(void **cache, const char *name, ncclComm_t comm)
 
 	if (GH_UNLIKELY(!real))
 		return ncclInternalError;
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real(comm);
 	known = gh_comm_lookup(GH_SRC_NCCL, (uint64_t)(uintptr_t)comm, &ci);
 	rc = real(comm);
@@ -425,7 +480,7 @@ GH_EXPORT ncclResult_t ncclGroupStart(void)
 
 	if (GH_UNLIKELY(!real))
 		return ncclInternalError;
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real();
 	gh_gate();
 	if (group_depth++ == 0) {
@@ -446,7 +501,7 @@ GH_EXPORT ncclResult_t ncclGroupEnd(void)
 
 	if (GH_UNLIKELY(!real))
 		return ncclInternalError;
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real();
 	rc = real();
 	if (group_depth > 0 && --group_depth == 0) {
@@ -473,7 +528,7 @@ GH_EXPORT ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_
 
 	if (GH_UNLIKELY(!real))
 		return ncclInternalError;
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real(sendbuff, recvbuff, count, datatype, op, comm, stream);
 	op_begin(&c, stream);
 	rc = real(sendbuff, recvbuff, count, datatype, op, comm, stream);
@@ -494,7 +549,7 @@ GH_EXPORT ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, s
 
 	if (GH_UNLIKELY(!real))
 		return ncclInternalError;
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real(sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
 	op_begin(&c, stream);
 	rc = real(sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
@@ -518,7 +573,7 @@ GH_EXPORT ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_
 
 	if (GH_UNLIKELY(!real))
 		return ncclInternalError;
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real(sendbuff, recvbuff, sendcount, datatype, comm, stream);
 	op_begin(&c, stream);
 	rc = real(sendbuff, recvbuff, sendcount, datatype, comm, stream);
@@ -541,7 +596,7 @@ GH_EXPORT ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_
 
 	if (GH_UNLIKELY(!real))
 		return ncclInternalError;
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real(sendbuff, recvbuff, count, datatype, root, comm, stream);
 	op_begin(&c, stream);
 	rc = real(sendbuff, recvbuff, count, datatype, root, comm, stream);
@@ -560,7 +615,7 @@ GH_EXPORT ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t dataty
 
 	if (GH_UNLIKELY(!real))
 		return ncclInternalError;
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real(buff, count, datatype, root, comm, stream);
 	op_begin(&c, stream);
 	rc = real(buff, count, datatype, root, comm, stream);
@@ -580,7 +635,7 @@ GH_EXPORT ncclResult_t ncclReduce(const void *sendbuff, void *recvbuff, size_t c
 
 	if (GH_UNLIKELY(!real))
 		return ncclInternalError;
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real(sendbuff, recvbuff, count, datatype, op, root, comm, stream);
 	op_begin(&c, stream);
 	rc = real(sendbuff, recvbuff, count, datatype, op, root, comm, stream);
@@ -599,7 +654,7 @@ GH_EXPORT ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType
 
 	if (GH_UNLIKELY(!real))
 		return ncclInternalError;
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real(sendbuff, count, datatype, peer, comm, stream);
 	op_begin(&c, stream);
 	rc = real(sendbuff, count, datatype, peer, comm, stream);
@@ -618,7 +673,7 @@ GH_EXPORT ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t dat
 
 	if (GH_UNLIKELY(!real))
 		return ncclInternalError;
-	if (!gh_enter())
+	if (!nccl_enter())
 		return real(recvbuff, count, datatype, peer, comm, stream);
 	op_begin(&c, stream);
 	rc = real(recvbuff, count, datatype, peer, comm, stream);

@@ -5,6 +5,9 @@
  * program uses; one-rank communicators only, on host memory, executed
  * synchronously: a collective over one rank is a copy, and p2p to oneself
  * inside ncclGroupStart/End is matched at the outermost ncclGroupEnd.
+ *
+ * NCCL_DOUBLE_VERSION=CODE makes ncclGetVersion say CODE (an NCCL the hook may
+ * not know), and NCCL_DOUBLE_VERSION=error makes it fail.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,7 +40,11 @@ static size_t dtype_size(ncclDataType_t t)
 
 ncclResult_t ncclGetVersion(int *version)
 {
-	*version = NCCL_VERSION_CODE;
+	const char *v = getenv("NCCL_DOUBLE_VERSION");
+
+	if (v && strcmp(v, "error") == 0)
+		return ncclInternalError;
+	*version = v ? atoi(v) : NCCL_VERSION_CODE;
 	return ncclSuccess;
 }
 
