@@ -102,6 +102,14 @@ typedef int (*event_create_fn)(void **event, unsigned int flags);
 typedef int (*event_record_fn)(void *event, void *stream);
 typedef int (*event_query_fn)(void *event);
 typedef int (*event_elapsed_fn)(float *ms, void *start, void *end);
+typedef int (*last_error_fn)(void);
+typedef int (*is_capturing_fn)(void *stream, int *status);
+typedef int (*capture_mode_fn)(int *mode);
+
+/* The CUDA runtime's values (cuda_runtime_api.h), which the hook is built without. */
+#define GH_CUDA_SUCCESS 0
+#define GH_CUDA_CAPTURE_STATUS_NONE 0  /* cudaStreamCaptureStatusNone */
+#define GH_CUDA_CAPTURE_MODE_RELAXED 2 /* cudaStreamCaptureModeRelaxed */
 
 #define EV_SLOTS 256u          /* operations in flight with timing */
 #define EV_GROUP_MAX 64u       /* operations of one group timed */
@@ -117,12 +125,17 @@ struct ev_slot {
 };
 
 static struct {
-	int ready;                 /* 0 unknown, 1 usable, -1 unavailable */
+	int resolved;              /* the runtime's calls: 0 not looked up, 1 found, -1 missing */
+	int ready;                 /* the events: 0 not made, 1 usable, -1 unavailable (or forked) */
 	int busy;                  /* try-lock: a thread that finds it taken skips timing */
 	event_create_fn create;
 	event_record_fn record;
 	event_query_fn query;
 	event_elapsed_fn elapsed;
+	last_error_fn peek_error;  /* cudaPeekAtLastError */
+	last_error_fn get_error;   /* cudaGetLastError: returns and clears it */
+	is_capturing_fn is_capturing;
+	capture_mode_fn capture_mode;
 	uint64_t head, tail;       /* FIFO of slots, completed in stream order */
 	struct ev_slot slot[EV_SLOTS];
 } ev;
@@ -140,22 +153,70 @@ static void ev_unlock(void)
 	__atomic_store_n(&ev.busy, 0, __ATOMIC_RELEASE);
 }
 
-/* Called with the try-lock held. */
+/* Looks the runtime's calls up once; 0 if one is missing (no device timing then). */
+static int ev_resolve(void)
+{
+	if (ev.resolved)
+		return ev.resolved > 0;
+	ev.resolved = -1;
+	ev.create = (event_create_fn)gh_lookup_loaded("cudaEventCreateWithFlags");
+	ev.record = (event_record_fn)gh_lookup_loaded("cudaEventRecord");
+	ev.query = (event_query_fn)gh_lookup_loaded("cudaEventQuery");
+	ev.elapsed = (event_elapsed_fn)gh_lookup_loaded("cudaEventElapsedTime");
+	ev.peek_error = (last_error_fn)gh_lookup_loaded("cudaPeekAtLastError");
+	ev.get_error = (last_error_fn)gh_lookup_loaded("cudaGetLastError");
+	ev.is_capturing = (is_capturing_fn)gh_lookup_loaded("cudaStreamIsCapturing");
+	ev.capture_mode = (capture_mode_fn)gh_lookup_loaded("cudaThreadExchangeStreamCaptureMode");
+	if (!ev.create || !ev.record || !ev.query || !ev.elapsed || !ev.peek_error ||
+	    !ev.get_error || !ev.is_capturing || !ev.capture_mode) {
+		gh_log_once(GH_P_CUDA, "GREYHOUND_TRACE=on but no CUDA runtime (10.1 or later) is loaded; NCCL ops are not device-timed");
+		return 0;
+	}
+	ev.resolved = 1;
+	return 1;
+}
+
+/*
+ * The hook's own CUDA calls leave the program's CUDA state as they found it.
+ * - An error they return becomes the thread's last error, which the program's
+ *   next check raises (PyTorch checks cudaGetLastError after each kernel
+ *   launch; a cudaEventQuery of unfinished work returns cudaErrorNotReady). So
+ *   they run only while no error is pending, and what they leave is cleared.
+ * - A "potentially unsafe" call such as cudaEventQuery, made while a stream
+ *   capture in the global mode is under way in any thread, invalidates that
+ *   capture (a CUDA graph). So they run in the relaxed capture mode, and never
+ *   on a stream that is capturing (ev_begin).
+ * Returns 0 (touch nothing) when the program has an error pending.
+ */
+struct cuda_quiet {
+	int mode;                  /* the thread's capture mode, given back at the end */
+};
+
+static int cuda_quiet_begin(struct cuda_quiet *q)
+{
+	if (ev.peek_error() != GH_CUDA_SUCCESS)
+		return 0;  /* the program's own error (or a sticky one): leave it to the program */
+	q->mode = GH_CUDA_CAPTURE_MODE_RELAXED;
+	if (ev.capture_mode(&q->mode) != GH_CUDA_SUCCESS) {
+		(void)ev.get_error();
+		return 0;
+	}
+	return 1;
+}
+
+static void cuda_quiet_end(struct cuda_quiet *q)
+{
+	(void)ev.capture_mode(&q->mode);
+	if (ev.peek_error() != GH_CUDA_SUCCESS)
+		(void)ev.get_error(); /* the hook's: none was pending before */
+}
+
+/* Makes the events, once; called with the try-lock held, inside cuda_quiet. */
 static int ev_setup(void)
 {
 	if (ev.ready)
 		return ev.ready > 0;
 	ev.ready = -1;
-	if (!gh_trace)
-		return 0;
-	ev.create = (event_create_fn)gh_lookup_loaded("cudaEventCreateWithFlags");
-	ev.record = (event_record_fn)gh_lookup_loaded("cudaEventRecord");
-	ev.query = (event_query_fn)gh_lookup_loaded("cudaEventQuery");
-	ev.elapsed = (event_elapsed_fn)gh_lookup_loaded("cudaEventElapsedTime");
-	if (!ev.create || !ev.record || !ev.query || !ev.elapsed) {
-		gh_log_once(GH_P_CUDA, "GREYHOUND_TRACE=on but no CUDA runtime is loaded; NCCL ops are not device-timed");
-		return 0;
-	}
 	for (uint32_t i = 0; i < EV_SLOTS; i++) {
 		if (ev.create(&ev.slot[i].start, 0) != 0 || ev.create(&ev.slot[i].end, 0) != 0) {
 			gh_log_once(GH_P_CUDA, "cudaEventCreateWithFlags failed; NCCL ops are not device-timed");
@@ -189,26 +250,39 @@ static void ev_poll_locked(void)
 /* Records the opening event; returns the slot or -1 (no timing for this op). */
 static int ev_begin(void *stream)
 {
-	int idx = -1;
+	struct cuda_quiet q;
+	int idx = -1, status = GH_CUDA_CAPTURE_STATUS_NONE;
 
 	if (!gh_trace || !ev_trylock())
 		return -1;
-	if (!ev_setup())
+	if (ev.ready < 0 || !ev_resolve() || !cuda_quiet_begin(&q))
 		goto out;
+	if (!ev_setup())
+		goto quiet;
+	/*
+	 * Work captured into a CUDA graph runs when the graph is launched: an
+	 * event recorded here would be a node of the graph. Not timed; nor is an
+	 * op on a stream whose capture status CUDA cannot say.
+	 */
+	if (ev.is_capturing(stream, &status) != GH_CUDA_SUCCESS ||
+	    status != GH_CUDA_CAPTURE_STATUS_NONE)
+		goto quiet;
 	ev_poll_locked();
 	if (ev.tail - ev.head >= EV_SLOTS ||
 	    (group_depth > 0 && group_num_slots >= EV_GROUP_MAX)) {
 		__atomic_fetch_add(&gh_hdr->events_skipped, 1, __ATOMIC_RELAXED);
-		goto out;
+		goto quiet;
 	}
 	idx = (int)(ev.tail % EV_SLOTS);
 	if (ev.record(ev.slot[idx].start, stream) != 0) {
 		idx = -1;
-		goto out;
+		goto quiet;
 	}
 	ev.slot[idx].state = EV_STARTED;
 	ev.slot[idx].stream = stream;
 	ev.tail++;
+quiet:
+	cuda_quiet_end(&q);
 out:
 	ev_unlock();
 	return idx;
@@ -216,9 +290,16 @@ out:
 
 static void ev_close(struct ev_slot *s)
 {
+	struct cuda_quiet q;
+
 	/* If the closing event cannot be recorded, the opening one alone is useless. */
-	if (ev.record(s->end, s->stream) != 0)
+	if (!cuda_quiet_begin(&q)) {
 		s->seq = 0;
+	} else {
+		if (ev.record(s->end, s->stream) != 0)
+			s->seq = 0;
+		cuda_quiet_end(&q);
+	}
 	/* The slot is this thread's until it is marked pending. */
 	__atomic_store_n(&s->state, EV_PENDING, __ATOMIC_RELEASE);
 }

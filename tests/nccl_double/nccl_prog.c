@@ -1,8 +1,14 @@
 /*
  * A one-rank NCCL program, run under the hook against the test double.
- * usage: nccl_prog ID_FILE ITERATIONS
+ * usage: nccl_prog ID_FILE ITERATIONS [MODES]
  * ID_FILE holds the 128-byte ncclUniqueId (created if missing), so two processes
  * can share one. Prints "ok" and exits 0 when every result is right.
+ *
+ * After every NCCL call the thread's last CUDA error must still be cudaSuccess,
+ * as PyTorch's check after its next kernel launch requires. MODES adds, after the
+ * iterations: "p", an NCCL call made while the program's own CUDA error is
+ * pending, which must still be pending afterwards; "c", NCCL calls captured into
+ * a CUDA graph, whose capture must succeed.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,9 +16,20 @@
 
 #include <nccl.h>
 
+/* CUDA runtime calls (the double in cudart_double.c; values as in cuda_runtime_api.h). */
+int cudaPeekAtLastError(void);
+int cudaGetLastError(void);
+int cudaEventQuery(void *event);
+int cudaStreamBeginCapture(void *stream, int mode);
+int cudaStreamEndCapture(void *stream, void **graph);
+#define CUDA_ERROR_INVALID_RESOURCE_HANDLE 400
+#define CUDA_CAPTURE_MODE_GLOBAL 0
+
 #define N 256
-#define CHECK(x) do { ncclResult_t r_ = (x); if (r_ != ncclSuccess) { \
-	fprintf(stderr, "%s: %d\n", #x, r_); return 1; } } while (0)
+#define CHECK(x) do { ncclResult_t r_ = (x); int e_; if (r_ != ncclSuccess) { \
+	fprintf(stderr, "%s: %d\n", #x, r_); return 1; } \
+	if ((e_ = cudaPeekAtLastError()) != 0) { \
+	fprintf(stderr, "%s left CUDA error %d\n", #x, e_); return 5; } } while (0)
 
 int main(int argc, char **argv)
 {
@@ -22,6 +39,10 @@ int main(int argc, char **argv)
 	ncclComm_t comm, sub, none;
 	FILE *f;
 	int iters = argc > 2 ? atoi(argv[2]) : 1;
+	const char *modes = argc > 3 ? argv[3] : "";
+	static char stream_object;
+	void *graph = NULL, *capture_stream = &stream_object; /* any non-null handle */
+	int err;
 
 	if (argc < 2)
 		return 2;
@@ -58,6 +79,31 @@ int main(int argc, char **argv)
 		for (int i = 0; i < 8; i++)
 			if (b[i] != a[i])
 				return 4;
+	}
+	if (strchr(modes, 'p')) {
+		/* The program's own error (a bad handle), pending across an NCCL call. */
+		if (cudaEventQuery(NULL) != CUDA_ERROR_INVALID_RESOURCE_HANDLE)
+			return 2;
+		if (ncclAllReduce(a, b, N, ncclFloat32, ncclSum, comm, NULL) != ncclSuccess)
+			return 1;
+		err = cudaGetLastError();
+		if (err != CUDA_ERROR_INVALID_RESOURCE_HANDLE) {
+			fprintf(stderr, "pending CUDA error %d became %d\n",
+				CUDA_ERROR_INVALID_RESOURCE_HANDLE, err);
+			return 8;
+		}
+	}
+	if (strchr(modes, 'c')) {
+		if (cudaStreamBeginCapture(capture_stream, CUDA_CAPTURE_MODE_GLOBAL) != 0)
+			return 2;
+		for (int i = 0; i < 3; i++)
+			CHECK(ncclAllReduce(a, b, N, ncclFloat32, ncclSum, comm, capture_stream));
+		err = cudaStreamEndCapture(capture_stream, &graph);
+		if (err != 0 || !graph) {
+			fprintf(stderr, "graph capture failed: CUDA error %d\n", err);
+			return 7;
+		}
+		CHECK(ncclAllReduce(a, b, N, ncclFloat32, ncclSum, comm, NULL));
 	}
 	CHECK(ncclCommSplit(comm, 7, 0, &sub, NULL));
 	CHECK(ncclAllReduce(a, b, 5, ncclBfloat16, ncclSum, sub, NULL));
