@@ -1,0 +1,84 @@
+"""The job's Redis: one address, a password nobody else can read, nothing on disk."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+
+import pytest
+
+from greyhound.control.redis_server import (
+    ADDRESS_FILE, SECRET_FILE, RedisError, read_address, start_redis, stop_redis,
+)
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server is not installed: run scripts/setup")
+
+
+@pytest.fixture
+def job_redis(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    proc, address = start_redis(run_dir, host="127.0.0.1")
+    yield run_dir, proc, address
+    stop_redis(proc)
+
+
+def test_answers_with_the_password_only(job_redis):
+    import redis
+
+    run_dir, proc, address = job_redis
+    client = address.client()
+    assert client.set("state", "tracking") and client.get("state") == "tracking"
+    anonymous = redis.Redis(host=address.host, port=address.port, socket_timeout=2)
+    with pytest.raises(redis.AuthenticationError):
+        anonymous.get("state")
+    wrong = redis.Redis(host=address.host, port=address.port, password="guess", socket_timeout=2)
+    with pytest.raises(redis.AuthenticationError):
+        wrong.get("state")
+
+
+def test_the_password_is_in_a_private_file_and_on_no_command_line(job_redis):
+    run_dir, proc, address = job_redis
+    for name in (SECRET_FILE, "redis.conf", ADDRESS_FILE):
+        assert os.stat(run_dir / name).st_mode & 0o077 == 0, name
+    cmdline = open(f"/proc/{proc.pid}/cmdline", "rb").read()
+    assert address.password.encode() not in cmdline
+    assert read_address(run_dir) == address
+
+
+def test_config_and_persistence_commands_are_refused(job_redis):
+    import redis
+
+    run_dir, _, address = job_redis
+    client = address.client()
+    for command in (("CONFIG", "GET", "requirepass"), ("CONFIG", "SET", "dir", "/etc"), ("SAVE",),
+                    ("BGSAVE",), ("DEBUG", "SLEEP", "0"), ("MODULE", "LIST")):
+        with pytest.raises(redis.ResponseError, match="unknown command"):
+            client.execute_command(*command)
+    client.set("k", "v")
+    stop_redis(job_redis[1])
+    assert not [p for p in os.listdir(run_dir) if p.endswith((".rdb", ".aof")) or p.startswith("appendonly")]
+
+
+def test_listens_on_the_given_address_only(job_redis):
+    _, proc, address = job_redis
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    mine = [line.split()[3] for line in out.splitlines() if f"pid={proc.pid}," in line]
+    assert mine == [f"127.0.0.1:{address.port}"]
+
+
+def test_another_user_cannot_read_the_secret(job_redis):
+    run_dir, _, _ = job_redis
+    nobody = pwd.getpwnam("nobody")
+    proc = subprocess.run(["runuser", "-u", "nobody", "--", "cat", str(run_dir / SECRET_FILE)],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert nobody.pw_uid != os.getuid()
+
+
+def test_a_run_dir_without_a_control_plane_is_a_clear_error(tmp_path):
+    with pytest.raises(RedisError, match="has no control plane"):
+        read_address(tmp_path)
