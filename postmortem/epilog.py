@@ -30,7 +30,6 @@ import fcntl
 import logging
 import os
 import pwd
-import shlex
 import signal
 import subprocess
 import sys
@@ -40,11 +39,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from greyhound.errors import GreyhoundError, InputError
+from greyhound.plugstack import PLUGSTACK_ENTRY, read_plugstack
 from greyhound.slurm_client import COMMENT_MAX_LEN, check_job_id, connect, merge_comment
 
 log = logging.getLogger(__name__)
 
-PLUGSTACK_ENTRY = Path("/etc/slurm/plugstack.conf.d/greyhound.conf")
 OPTIONS_FILE = "options"
 """Written by the SPANK plugin into the run directory: the job's effective options."""
 TIMELINE_DIRS = ("timeline", "trace", ".")
@@ -95,26 +94,16 @@ _ENV_SETTINGS = {
 }
 
 
-def read_plugstack_config(path: Path = PLUGSTACK_ENTRY) -> Path:
-    """The admin's ``rundir=`` from greyhound's plugstack line (the default if absent)."""
-    default = EpilogConfig.rundir
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return default
-    for line in lines:
-        words = shlex.split(line, comments=True)
-        if len(words) >= 2 and words[0] in ("optional", "required") and words[1].endswith("greyhound_spank.so"):
-            args = dict(w.split("=", 1) for w in words[2:] if "=" in w)
-            return Path(args.get("rundir", str(default)))
-    return default
-
-
 def read_config(env: dict[str, str] | None = None, *, plugstack: Path = PLUGSTACK_ENTRY) -> EpilogConfig:
     """The epilog's settings: plugstack ``rundir=`` and the ``GREYHOUND_EPILOG_*`` variables
     of slurmctld's environment. A bad variable is logged and its default kept."""
     env = os.environ if env is None else env
-    values: dict = {"rundir": read_plugstack_config(plugstack)}
+    try:
+        rundir = read_plugstack(plugstack).rundir
+    except InputError as exc:
+        log.error("%s; using %s", exc, EpilogConfig.rundir)
+        rundir = EpilogConfig.rundir
+    values: dict = {"rundir": rundir}
     for var, (field, kind) in _ENV_SETTINGS.items():
         if var in env:
             try:

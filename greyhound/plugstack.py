@@ -1,0 +1,67 @@
+"""The admin's greyhound settings, read from its plugstack line as the plugin reads them.
+
+``optional /usr/local/lib/greyhound/greyhound_spank.so default=off mode=detect
+prefix=/usr/local rundir=/var/tmp/greyhound retain=7``: the arguments after the plugin's
+path are ``key=value`` with the plugin's keys (spank/plugin/config.c); anything else
+makes the plugin turn greyhound off, and then this reader says so too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from pathlib import Path
+
+from greyhound.errors import InputError
+
+PLUGSTACK_ENTRY = Path("/etc/slurm/plugstack.conf.d/greyhound.conf")
+KEYS = ("default", "mode", "prefix", "rundir", "retain")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PlugstackConfig:
+    rundir: Path = Path("/var/tmp/greyhound")
+    """Parent of the per-job run directories."""
+    prefix: Path = Path("/usr/local")
+    """Where greyhound is installed."""
+    default_on: bool = False
+    mode: str = "detect"
+
+
+def parse_plugstack_line(line: str) -> PlugstackConfig | None:
+    """The settings on one plugstack line; None when the line is not greyhound's.
+
+    Raises:
+        InputError: greyhound's line with an argument the plugin would refuse.
+    """
+    words = shlex.split(line, comments=True)
+    if len(words) < 2 or words[0] not in ("optional", "required") or not words[1].endswith("greyhound_spank.so"):
+        return None
+    args: dict[str, str] = {}
+    for word in words[2:]:
+        key, eq, value = word.partition("=")
+        if not eq or key not in KEYS:
+            raise InputError(f"plugstack: unknown argument {word!r}; allowed keys: {', '.join(KEYS)}")
+        args[key] = value
+    for key in ("rundir", "prefix"):
+        if key in args and not args[key].startswith("/"):
+            raise InputError(f"plugstack: {key}={args[key]!r} must be an absolute path")
+    return PlugstackConfig(
+        rundir=Path(args.get("rundir", PlugstackConfig.rundir)),
+        prefix=Path(args.get("prefix", PlugstackConfig.prefix)),
+        default_on=args.get("default", "off") in ("1", "on", "true", "yes", "y"),
+        mode=args.get("mode", "detect"),
+    )
+
+
+def read_plugstack(path: Path = PLUGSTACK_ENTRY) -> PlugstackConfig:
+    """greyhound's settings from the plugstack file (the defaults when it has no line)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return PlugstackConfig()
+    for line in lines:
+        config = parse_plugstack_line(line)
+        if config is not None:
+            return config
+    return PlugstackConfig()
