@@ -16,13 +16,15 @@ from greyhound.errors import InputError
 
 PLUGSTACK_ENTRY = Path("/etc/slurm/plugstack.conf.d/greyhound.conf")
 KEYS = ("default", "mode", "prefix", "rundir", "retain")
+DEFAULT_RUNDIR = Path("/var/tmp/greyhound")
+DEFAULT_PREFIX = Path("/usr/local")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PlugstackConfig:
-    rundir: Path = Path("/var/tmp/greyhound")
+    rundir: Path = DEFAULT_RUNDIR
     """Parent of the per-job run directories."""
-    prefix: Path = Path("/usr/local")
+    prefix: Path = DEFAULT_PREFIX
     """Where greyhound is installed."""
     default_on: bool = False
     mode: str = "detect"
@@ -47,8 +49,8 @@ def parse_plugstack_line(line: str) -> PlugstackConfig | None:
         if key in args and not args[key].startswith("/"):
             raise InputError(f"plugstack: {key}={args[key]!r} must be an absolute path")
     return PlugstackConfig(
-        rundir=Path(args.get("rundir", PlugstackConfig.rundir)),
-        prefix=Path(args.get("prefix", PlugstackConfig.prefix)),
+        rundir=Path(args.get("rundir", DEFAULT_RUNDIR)),
+        prefix=Path(args.get("prefix", DEFAULT_PREFIX)),
         default_on=args.get("default", "off") in ("1", "on", "true", "yes", "y"),
         mode=args.get("mode", "detect"),
     )

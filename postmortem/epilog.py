@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from greyhound.errors import GreyhoundError, InputError
-from greyhound.plugstack import PLUGSTACK_ENTRY, read_plugstack
+from greyhound.plugstack import DEFAULT_RUNDIR, PLUGSTACK_ENTRY, read_plugstack
 from greyhound.slurm_client import COMMENT_MAX_LEN, check_job_id, connect, merge_comment
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ _OUTPUT_MAX_BYTES = 64 * 1024
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class EpilogConfig:
-    rundir: Path = Path("/var/tmp/greyhound")
+    rundir: Path = DEFAULT_RUNDIR
     """Parent of the per-job run directories (plugstack ``rundir=``)."""
     timeout_s: float = 300.0
     """Wall-clock limit of one analysis (``GREYHOUND_EPILOG_TIMEOUT_S``)."""
@@ -101,8 +101,8 @@ def read_config(env: dict[str, str] | None = None, *, plugstack: Path = PLUGSTAC
     try:
         rundir = read_plugstack(plugstack).rundir
     except InputError as exc:
-        log.error("%s; using %s", exc, EpilogConfig.rundir)
-        rundir = EpilogConfig.rundir
+        log.error("%s; using %s", exc, DEFAULT_RUNDIR)
+        rundir = DEFAULT_RUNDIR
     values: dict = {"rundir": rundir}
     for var, (field, kind) in _ENV_SETTINGS.items():
         if var in env:
