@@ -62,6 +62,10 @@ BAD_OPTIONS = [
     ("mode=detect,mode=mitigate", "mode given twice ('detect' and 'mitigate')"),
     ("mode=detect\x07", "control character 0x07 at position 12"),
     ("report=/" + "x" * 1100, "characters long; at most 1024 are allowed"),
+    # A second, different value for the same setting is refused, never silently kept.
+    ("on,off", "'on' and 'off' both given; give one of them"),
+    ("report=/a,report=/b", "report given twice, with different directories; give it once"),
+    ("trace=on,trace=off", "trace given twice ('on' and 'off'); give it once"),
 ]
 
 
@@ -81,6 +85,22 @@ def test_bad_option_is_refused_without_a_job(cluster, tmp_path, value, message):
     sacct = subprocess.run(["sacct", "-n", "-X", "--name", name, "-S", "now-1hours"],
                            capture_output=True, text=True, check=True).stdout
     assert squeue.strip() == "" and sacct.strip() == ""
+
+
+def test_conflicting_flags_are_refused_and_repeated_ones_accepted(cluster, sbatch, tmp_path):
+    # Two flags: Slurm calls the option callback once per flag.
+    proc = subprocess.run(["sbatch", "--greyhound=mode=detect", "--greyhound=mode=mitigate", "--wrap=true",
+                           f"--output={tmp_path}/o"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "Submitted" not in proc.stdout
+    assert [line for line in proc.stderr.splitlines() if line.startswith("greyhound: ")] == [
+        "greyhound: --greyhound: mode given twice ('detect' and 'mitigate'); give it once"]
+    # The same value again, in one flag or two, is one setting.
+    os.chmod(tmp_path, 0o755)
+    job = sbatch(JOB_SCRIPT, "--nodes=2", "--ntasks=4", "--ntasks-per-node=2",
+                 f"--greyhound=on,on,mitigate,mode=mitigate,trace=on,trace=yes,report={tmp_path},report={tmp_path}",
+                 "--greyhound=mitigate")
+    assert job.wait() == "COMPLETED", job.text()
+    check_enabled(task_lines(job.text()), mode="mitigate", job_id=job.job_id)
 
 
 def check_enabled(lines, *, mode, job_id, user_preload=None):

@@ -15,12 +15,16 @@
  * only when the flag was not given.
  */
 #define GH_USER_ENV "GREYHOUND_OPTIONS"
-#define GH_FLAG_PREFIX "--greyhound: "
+#define GH_FLAG "--greyhound"
 
-/* Fail open on the node: a bad setting turns greyhound off, never the job. */
+/*
+ * Fail open on the node: a bad setting turns greyhound off, never the job. source
+ * says where the value came from (the flag, GREYHOUND_OPTIONS); the parser gives the
+ * bare cause.
+ */
 static void off_for_this_job(const char *source, const char *why)
 {
-	slurm_error("greyhound: %s%s; greyhound is off for this job", source, why);
+	slurm_error("greyhound: %s: %s; greyhound is off for this job", source, why);
 	gh_options_defaults(&gh_options);
 	gh_options.seen = 1;
 	gh_options.enabled = 0;
@@ -28,17 +32,17 @@ static void off_for_this_job(const char *source, const char *why)
 
 static int option_cb(int val, const char *optarg, int remote)
 {
-	char err[512] = "";
+	char err[GH_ERR_LEN] = "";
 
 	(void)val;
-	/* Slurm may call this twice with the same value; parsing is idempotent for that. */
+	/* Slurm may call this twice: the same value again is accepted, a different one refused. */
 	if (gh_options_parse(&gh_options, optarg, err, sizeof(err)) == 0)
 		return 0;
 	if (remote) {
-		off_for_this_job("", err + strlen(GH_FLAG_PREFIX));
+		off_for_this_job(GH_FLAG, err);
 		return 0;
 	}
-	fprintf(stderr, "greyhound: %s\n", err);
+	fprintf(stderr, "greyhound: " GH_FLAG ": %s\n", err);
 	return -1;
 }
 
@@ -71,7 +75,7 @@ int gh_register_options(spank_t sp)
 int gh_options_from_env(spank_t sp)
 {
 	char value[GH_OPTION_MAX_LEN + 2] = "";
-	char err[512] = "";
+	char err[GH_ERR_LEN] = "";
 	spank_err_t rc;
 
 	if (gh_options.seen)
@@ -89,7 +93,7 @@ int gh_options_from_env(spank_t sp)
 		return 0;
 	if (rc == ESPANK_SUCCESS && gh_options_parse(&gh_options, value, err, sizeof(err)) == 0)
 		return 0;
-	off_for_this_job(GH_USER_ENV ": ", rc == ESPANK_SUCCESS ? err + strlen(GH_FLAG_PREFIX) : spank_strerror(rc));
+	off_for_this_job(GH_USER_ENV, rc == ESPANK_SUCCESS ? err : spank_strerror(rc));
 	return 0;
 }
 
@@ -104,14 +108,13 @@ int gh_local_init_post_opt(void)
 {
 	const char *value = getenv(GH_USER_ENV);
 	struct gh_options options;
-	char err[512] = "";
+	char err[GH_ERR_LEN] = "";
 
 	if (gh_options.seen || value == NULL)
 		return 0;
 	gh_options_defaults(&options);
 	if (gh_options_parse(&options, value, err, sizeof(err)) == 0)
 		return 0;
-	fprintf(stderr, "greyhound: " GH_USER_ENV ": %s; greyhound is off for this job\n",
-		err + strlen(GH_FLAG_PREFIX));
+	fprintf(stderr, "greyhound: " GH_USER_ENV ": %s; greyhound is off for this job\n", err);
 	return 0;
 }

@@ -15,14 +15,16 @@ struct gh_options gh_options;
 
 int slurm_spank_init(spank_t sp, int ac, char **av)
 {
+	char err[GH_ERR_LEN] = "";
+
 	gh_config_defaults(&gh_config);
 	gh_options_defaults(&gh_options);
-	if (gh_config_parse(&gh_config, ac, av) < 0) {
+	if (gh_config_parse(&gh_config, ac, av, err, sizeof(err)) < 0) {
 		/*
 		 * A broken admin configuration turns greyhound off, never the job: the
 		 * option is still registered so that scripts saying --greyhound submit.
 		 */
-		slurm_error("greyhound: failed to parse plugstack.conf arguments; greyhound is off");
+		slurm_error("greyhound: plugstack.conf: %s; greyhound is off", err);
 		gh_config_defaults(&gh_config);
 		gh_config.broken = 1;
 	}

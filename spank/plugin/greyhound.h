@@ -18,12 +18,16 @@
 #define GH_MODE_MAX_LEN 16
 #define GH_HOOK_LIB "libgreyhound_hook.so"
 #define GH_LIBDIR "lib/greyhound" /* relative to prefix= */
+#define GH_RETAIN_DAYS_DEFAULT 7 /* retain=: days a run directory stays after its job */
+#define GH_RETAIN_DAYS_MAX 3650
+#define GH_ERR_LEN 512 /* one message line */
 
 struct gh_config {
 	int default_on;                /* 1: every job unless --greyhound=off */
 	char mode[GH_MODE_MAX_LEN];    /* detect | mitigate */
 	char prefix[PATH_MAX];         /* where greyhound is installed */
 	char rundir[PATH_MAX];         /* parent of the per-job run directories */
+	int retain_days;               /* a run directory is removed this long after its job */
 	int broken;                    /* the arguments did not parse: greyhound is off */
 };
 
@@ -41,7 +45,7 @@ extern struct gh_options gh_options;
 
 /* config.c */
 void gh_config_defaults(struct gh_config *config);
-int gh_config_parse(struct gh_config *config, int ac, char **av);
+int gh_config_parse(struct gh_config *config, int ac, char **av, char *err, size_t err_len);
 void gh_options_defaults(struct gh_options *options);
 int gh_options_parse(struct gh_options *options, const char *value, char *err, size_t err_len);
 int gh_enabled(const struct gh_config *config, const struct gh_options *options);

@@ -1,7 +1,7 @@
 /*
  * Unit test of the SPANK plugin's option and plugstack parsers (spank/plugin/config.c),
- * built with ASan/UBSan by tests/test_plugin_config.py and linked against the real
- * libslurm for slurm_error. Prints "N passed, N failed".
+ * built with ASan/UBSan by tests/test_plugin_config.py. The parsers log nothing and
+ * need no Slurm: they return the bare cause. Prints "N passed, N failed".
  */
 #include <stdio.h>
 #include <string.h>
@@ -45,6 +45,28 @@ int main(void)
 	      o.trace == 0 && !strcmp(o.report, "/r/x"));
 	CHECK(parse(&o, "detect,mode=detect", err) == 0); /* same value twice is fine */
 
+	/* Every setting: the same value twice is accepted, a different one refused. */
+	CHECK(parse(&o, "on,on", err) == 0 && o.enabled == 1);
+	CHECK(parse(&o, "off,off", err) == 0 && o.enabled == 0);
+	CHECK(parse(&o, "on,off", err) < 0 && !strcmp(err, "'on' and 'off' both given; give one of them"));
+	CHECK(parse(&o, "off,on", err) < 0 && strstr(err, "'on' and 'off' both given"));
+	CHECK(parse(&o, "report=/a,report=/a", err) == 0 && !strcmp(o.report, "/a"));
+	CHECK(parse(&o, "report=/a,report=/b", err) < 0 &&
+	      !strcmp(err, "report given twice, with different directories; give it once"));
+	CHECK(parse(&o, "trace=on,trace=yes", err) == 0 && o.trace == 1);
+	CHECK(parse(&o, "trace=on,trace=off", err) < 0 && !strcmp(err, "trace given twice ('on' and 'off'); give it once"));
+	/* A second call (Slurm calls the callback twice) with the same value, then another. */
+	CHECK(parse(&o, "mode=mitigate,report=/r", err) == 0 &&
+	      gh_options_parse(&o, "mode=mitigate,report=/r", err, 512) == 0 && !strcmp(o.mode, "mitigate"));
+	CHECK(gh_options_parse(&o, "detect", err, 512) < 0 && strstr(err, "mode given twice ('mitigate' and 'detect')"));
+	CHECK(parse(&o, "off", err) == 0 && gh_options_parse(&o, "(null)", err, 512) < 0 &&
+	      strstr(err, "'on' and 'off' both given"));
+	CHECK(parse(&o, NULL, err) == 0 && gh_options_parse(&o, NULL, err, 512) == 0 && o.enabled == 1);
+
+	/* Messages are the bare cause: the caller says --greyhound or GREYHOUND_OPTIONS. */
+	CHECK(parse(&o, "fast", err) < 0 && !strncmp(err, "'fast' is not an option; use off, on", 35));
+	CHECK(parse(&o, "mode=fast", err) < 0 && !strncmp(err, "mode='fast'", 11));
+
 	CHECK(parse(&o, "mode=fast", err) < 0 && strstr(err, "mode='fast' is not allowed"));
 	CHECK(parse(&o, "colour=red", err) < 0 && strstr(err, "unknown key 'colour'"));
 	CHECK(parse(&o, "trace=", err) < 0 && strstr(err, "trace='' is not allowed"));
@@ -61,18 +83,31 @@ int main(void)
 
 	/* Admin arguments: defaults first, every key checked, unknown keys refused. */
 	{
-		char *good[] = { "default=on", "mode=mitigate", "prefix=/opt/gh", "rundir=/scratch/gh" };
+		char *good[] = { "default=on", "mode=mitigate", "prefix=/opt/gh", "rundir=/scratch/gh", "retain=0" };
 		char *bad_key[] = { "defualt=on" };
 		char *bad_bool[] = { "default=perhaps" };
 		char *bad_path[] = { "rundir=relative" };
+		char *bad_paths[] = { "rundir=/", "rundir=/a/../b", "rundir=/a//b", "rundir=/a/.", "rundir=/a/", "prefix=" };
+		char *bad_retain[] = { "retain=-1", "retain=7d", "retain=", "retain=3651", "retain= 7", "retain=99999999999" };
+		char *no_value[] = { "retain" };
+		char *retain_max[] = { "retain=3650" };
 
 		gh_config_defaults(&c);
-		CHECK(c.default_on == 0 && !strcmp(c.mode, "detect") && !strcmp(c.rundir, "/var/tmp/greyhound"));
-		CHECK(gh_config_parse(&c, 4, good) == 0 && c.default_on == 1 && !strcmp(c.mode, "mitigate") &&
-		      !strcmp(c.prefix, "/opt/gh") && !strcmp(c.rundir, "/scratch/gh"));
-		CHECK(gh_config_parse(&c, 1, bad_key) < 0);
-		CHECK(gh_config_parse(&c, 1, bad_bool) < 0);
-		CHECK(gh_config_parse(&c, 1, bad_path) < 0);
+		CHECK(c.default_on == 0 && !strcmp(c.mode, "detect") && !strcmp(c.rundir, "/var/tmp/greyhound") &&
+		      c.retain_days == 7);
+		CHECK(gh_config_parse(&c, 5, good, err, 512) == 0 && c.default_on == 1 && !strcmp(c.mode, "mitigate") &&
+		      !strcmp(c.prefix, "/opt/gh") && !strcmp(c.rundir, "/scratch/gh") && c.retain_days == 0);
+		CHECK(gh_config_parse(&c, 1, bad_key, err, 512) < 0 &&
+		      !strncmp(err, "unknown argument 'defualt=on'; allowed: default=on|off", 52));
+		CHECK(gh_config_parse(&c, 1, bad_bool, err, 512) < 0 && strstr(err, "default='perhaps' is not allowed"));
+		CHECK(gh_config_parse(&c, 1, bad_path, err, 512) < 0 && strstr(err, "rundir='relative' must be an absolute path"));
+		for (size_t i = 0; i < sizeof(bad_paths) / sizeof(bad_paths[0]); i++)
+			CHECK(gh_config_parse(&c, 1, bad_paths + i, err, 512) < 0 && strstr(err, "must be an absolute path"));
+		for (size_t i = 0; i < sizeof(bad_retain) / sizeof(bad_retain[0]); i++)
+			CHECK(gh_config_parse(&c, 1, bad_retain + i, err, 512) < 0 &&
+			      strstr(err, "use a whole number of days from 0 to 3650"));
+		CHECK(gh_config_parse(&c, 1, no_value, err, 512) < 0 && strstr(err, "unknown argument 'retain'"));
+		CHECK(gh_config_parse(&c, 1, retain_max, err, 512) == 0 && c.retain_days == 3650);
 	}
 
 	/* Precedence: the user's option over the admin's default. */
