@@ -103,6 +103,42 @@ def test_conflicting_flags_are_refused_and_repeated_ones_accepted(cluster, sbatc
     check_enabled(task_lines(job.text()), mode="mitigate", job_id=job.job_id)
 
 
+# PYTHONPATH and LD_PRELOAD as every task sees them, one '|'-separated line each.
+SEARCH_PATHS = 'printf "paths|%s|%s|%s\\n" "$0" "${PYTHONPATH-<unset>}" "${LD_PRELOAD-<unset>}"'
+SEARCH_PATHS_JOB = f"""#!/bin/bash
+/bin/bash -c '{SEARCH_PATHS}' batch
+srun --ntasks=2 --ntasks-per-node=1 /bin/bash -c '{SEARCH_PATHS}' step
+"""
+CAPTURE = str(PREFIX / "lib/greyhound/python")
+
+
+@pytest.mark.parametrize(("pythonpath", "expected"), [
+    # Spaces, an empty item ('::', the current directory) and a leading ':' are kept.
+    (":/tmp/a dir with spaces::/opt/b", CAPTURE + "::/tmp/a dir with spaces::/opt/b"),
+    ("/trailing:", CAPTURE + ":/trailing:"),
+    # Unset: ours alone. Set but empty adds nothing for python, so ours alone as well
+    # ("ours:" would add the current directory).
+    (None, CAPTURE),
+    ("", CAPTURE),
+    # Only an identical copy of our entry is dropped.
+    (CAPTURE + ":/x", CAPTURE + ":/x"),
+], ids=["spaces-empty-leading", "trailing", "unset", "empty", "our-copy"])
+def test_search_paths_keep_the_users_value_exactly(cluster, sbatch, user_preload, pythonpath, expected):
+    assert (PREFIX / "lib/greyhound/python").is_dir(), "make -C spank install puts the capture there"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    # LD_PRELOAD separates with ':' or ' ': the user's blanks stay as they were.
+    env["LD_PRELOAD"] = f"{user_preload}  {user_preload}"
+    job = sbatch(SEARCH_PATHS_JOB, "--nodes=2", "--ntasks=2", "--greyhound", env=env)
+    assert job.wait() == "COMPLETED", job.text()
+    lines = [line.split("|") for line in job.text().splitlines() if line.startswith("paths|")]
+    assert sorted(f[1] for f in lines) == ["batch", "step", "step"], job.text()
+    for _, where, got_pythonpath, got_preload in lines:
+        assert got_pythonpath == expected, (where, got_pythonpath)
+        assert got_preload == f"{HOOK}:{user_preload}  {user_preload}", (where, got_preload)
+
+
 def check_enabled(lines, *, mode, job_id, user_preload=None):
     assert lines, "the job printed nothing"
     for t in lines:

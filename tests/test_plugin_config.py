@@ -1,4 +1,5 @@
-"""The SPANK plugin's parsers in C, built and run under ASan/UBSan."""
+"""The SPANK plugin's pure C parts, built and run under ASan/UBSan: the option and
+plugstack parsers (config.c) and PYTHONPATH/LD_PRELOAD handling (pathlist.c)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,31 @@ import pytest
 
 from conftest import REPO
 
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (scripts/setup installs build-essential)")
 
-@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (scripts/setup installs build-essential)")
-def test_plugin_config_parsers_under_sanitizers(tmp_path):
-    binary = tmp_path / "test_plugin_config"
+
+def build_and_run(tmp_path, test: str, source: str, *args: str) -> None:
+    binary = tmp_path / test
     subprocess.run(
         ["gcc", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-std=gnu11",
          "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
          f"-I{REPO}/spank/plugin", "-o", str(binary),
-         str(REPO / "tests/c/test_plugin_config.c"), str(REPO / "spank/plugin/config.c"), "-lslurm"],
+         str(REPO / f"tests/c/{test}.c"), str(REPO / f"spank/plugin/{source}")],
         check=True, capture_output=True, text=True,
     )
-    proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr + proc.stdout
-    assert proc.stdout.strip().endswith("0 failed")
+    assert proc.stdout.strip().endswith(" 0 failed")
+
+
+@needs_gcc
+def test_plugin_config_parsers_under_sanitizers(tmp_path):
+    build_and_run(tmp_path, "test_plugin_config", "config.c")
+
+
+@needs_gcc
+def test_plugin_path_lists_under_sanitizers(tmp_path):
+    build_and_run(tmp_path, "test_plugin_pathlist", "pathlist.c")
 
 
 def test_plugin_exports_only_the_spank_symbols(tmp_path):

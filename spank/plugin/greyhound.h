@@ -56,6 +56,9 @@ int gh_register_options(spank_t sp);
 int gh_options_from_env(spank_t sp);
 int gh_local_init_post_opt(void);
 
+/* pathlist.c */
+int gh_path_prepend(char *out, size_t out_len, const char *entry, const char *current, const char *separators);
+
 /* remote.c */
 int gh_remote_init_post_opt(spank_t sp);
 

@@ -5,7 +5,8 @@
  * (batch, srun):
  *   - create the per-job run directory (mode 0700, owned by the job's user);
  *   - export GREYHOUND_* into the job's environment;
- *   - prepend the hook to LD_PRELOAD, keeping the user's own entries.
+ *   - prepend the hook to LD_PRELOAD and the Python capture to PYTHONPATH, keeping
+ *     the user's own value exactly after it (pathlist.c).
  * Any failure is logged once and leaves the job as if greyhound were not there.
  */
 #include <errno.h>
@@ -20,7 +21,7 @@
 
 #include "greyhound.h"
 
-#define GH_ENV_MAX 8192
+#define GH_ENV_MAX (64 * 1024) /* longest LD_PRELOAD/PYTHONPATH handled */
 
 static int set_env(spank_t sp, const char *name, const char *value)
 {
@@ -109,47 +110,34 @@ fail:
 	return rv;
 }
 
-/* Prepends lib to a colon-separated list, dropping other copies of lib. */
-static int prepend_path(char *out, size_t out_len, const char *lib, const char *list)
+/*
+ * Puts entry first in the variable name of the job's environment; the user's value
+ * follows exactly as it was (an unset variable becomes entry alone).
+ */
+static int prepend_env(spank_t sp, const char *name, const char *entry, const char *separators)
 {
-	char *copy = NULL, *item, *save = NULL;
-	size_t used;
-	int n, rv = -1;
+	char *current = NULL, *updated = NULL;
+	spank_err_t rc;
+	int rv = -1;
 
-	n = snprintf(out, out_len, "%s", lib);
-	if (n < 0 || (size_t)n >= out_len)
+	if ((current = malloc(GH_ENV_MAX)) == NULL || (updated = malloc(GH_ENV_MAX)) == NULL) {
+		slurm_error("greyhound: remote: %s: out of memory; left unchanged", name);
 		goto fail;
-	used = n;
-	if ((copy = strdup(list)) == NULL)
-		goto fail;
-	for (item = strtok_r(copy, ": ", &save); item; item = strtok_r(NULL, ": ", &save)) {
-		if (!strcmp(item, lib))
-			continue;
-		n = snprintf(out + used, out_len - used, ":%s", item);
-		if (n < 0 || (size_t)n >= out_len - used)
-			goto fail;
-		used += n;
 	}
-	rv = 0;
-fail:
-	free(copy);
-	return rv;
-}
-
-static int prepend_env(spank_t sp, const char *name, const char *entry)
-{
-	char current[GH_ENV_MAX] = "", updated[GH_ENV_MAX];
-	spank_err_t rc = spank_getenv(sp, name, current, sizeof(current));
-
+	rc = spank_getenv(sp, name, current, GH_ENV_MAX);
 	if (rc != ESPANK_SUCCESS && rc != ESPANK_ENV_NOEXIST) {
-		slurm_error("greyhound: remote: cannot read %s: %s", name, spank_strerror(rc));
-		return -1;
+		slurm_error("greyhound: remote: cannot read %s: %s; left unchanged", name, spank_strerror(rc));
+		goto fail;
 	}
-	if (prepend_path(updated, sizeof(updated), entry, current) < 0) {
-		slurm_error("greyhound: remote: %s would exceed %d characters; left unchanged", name, GH_ENV_MAX);
-		return -1;
+	if (gh_path_prepend(updated, GH_ENV_MAX, entry, rc == ESPANK_SUCCESS ? current : NULL, separators) < 0) {
+		slurm_error("greyhound: remote: %s would exceed %d characters; left unchanged", name, GH_ENV_MAX - 1);
+		goto fail;
 	}
-	return set_env(sp, name, updated);
+	rv = set_env(sp, name, updated);
+fail:
+	free(current);
+	free(updated);
+	return rv;
 }
 
 int gh_remote_init_post_opt(spank_t sp)
@@ -194,11 +182,11 @@ int gh_remote_init_post_opt(spank_t sp)
 	else if (access(path, R_OK) < 0)
 		slurm_info("greyhound: remote: %s: %s; calls are not recorded", path, strerror(errno));
 	else
-		prepend_env(sp, "LD_PRELOAD", path);
+		prepend_env(sp, "LD_PRELOAD", path, ": "); /* ld.so(8): ':' or ' ' separate */
 
 	/* Python capture for backends the C hook cannot see (gloo): a sitecustomize. */
 	n = snprintf(path, sizeof(path), "%s/" GH_LIBDIR "/python", gh_config.prefix);
 	if (n >= 0 && (size_t)n < sizeof(path) && access(path, R_OK | X_OK) == 0)
-		prepend_env(sp, "PYTHONPATH", path);
+		prepend_env(sp, "PYTHONPATH", path, ":");
 	return 0;
 }
