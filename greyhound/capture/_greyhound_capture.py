@@ -326,7 +326,7 @@ class _Waits:
                 return done
             finally:
                 if begun:
-                    hook.end_head(_head(OP_WAIT, flags, -1, 0, 0, req))
+                    hook.end_head(_HEAD.pack(OP_WAIT, flags, -1, 0, 0, 0, req))
                 else:  # inside another captured call: the slow way
                     hook.record(OP_WAIT, 0, -1, 0, t0, time.monotonic_ns(), flags, req)
 
@@ -390,6 +390,7 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
     always_async = name in _ALWAYS_ASYNC
     begin, end_head, pack = hook.begin, hook.end_head, _HEAD.pack
     waits = hook.waits
+    reqs, weak_ref = waits.reqs, weakref.ref
     op_key = op << 48             # heads are keyed by (peer, op, size) in one int
     slow_world = _world_getter(dc10d)
 
@@ -479,7 +480,14 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
             if result is not None:
                 req = next(hook.req_ids)
                 end_head(_head(op, F_ASYNC, peer, comm_id, nbytes, req))
-                waits.track(result, req)
+                try:              # waits.track, written out for its common case
+                    if type(result) in waits.classes and len(reqs) < waits.sweep_at:
+                        reqs[id(result)] = (weak_ref(result), req)
+                    else:
+                        waits.track(result, req)
+                except Exception as exc:  # noqa: BLE001  (the result goes back as is)
+                    _log_once("cannot follow an async call's wait", exc,
+                              then="its Wait goes unrecorded")
                 return result
             head = _head(op, 0, peer, comm_id, nbytes, 0)   # nothing to wait for
         elif name == "recv" and peer == -1 and isinstance(result, int):
