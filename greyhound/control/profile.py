@@ -1,0 +1,112 @@
+"""Profiling: from what the agents publish, who is suspect. Pure functions, no I/O.
+
+Two signals, both read from calls the job makes anyway (nothing is paused):
+
+- **Slow link.** Communicators that move the same bytes per iteration with the same
+  operation form a comparable cluster (the DP groups of one stage size, the PP pairs).
+  A communicator's transfer time is the smallest per-iteration call time among its
+  members: the member that arrives last waits for nobody, so its time inside the call
+  is the transfer itself; the others' include waiting. A communicator more than
+  ``LINK_TOLERANCE`` above its cluster's median transfer time is suspect, and so are
+  the nodes its members run on.
+- **Compute straggler.** In a collective, the member that arrives last spends the
+  least time inside it; everyone else waits for it. A member whose call time is below
+  its peers' by more than ``WAIT_FRACTION`` of an iteration is the late arriver, and a
+  late arriver is a compute suspect (its own work before the call took longer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import numpy as np
+
+LINK_TOLERANCE = 0.10
+"""A group more than 10% above its cluster's median transfer time is suspect (the paper's rule)."""
+WAIT_FRACTION = 0.05
+"""How much of an iteration the peers must wait for a late arriver to make it suspect."""
+SAME_BYTES_RTOL = 0.01
+COLLECTIVE_OPS = ("AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce", "Barrier")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Suspect:
+    kind: str
+    """"compute" or "link"."""
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+    comm: str | None
+    score: float
+    """compute: peers' mean wait / iteration time; link: transfer time / cluster median."""
+    why: str
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "ranks": list(self.ranks), "nodes": list(self.nodes), "comm": self.comm,
+                "score": round(self.score, 4), "why": self.why,
+                "where": ",".join(self.nodes) if self.kind == "link" else
+                f"rank {self.ranks[0]} on {self.nodes[0]}"}
+
+
+def _members(comm_stats: dict[int, dict[str, dict]]) -> dict[str, dict[int, dict]]:
+    """comm id -> rank -> that rank's stats of it."""
+    out: dict[str, dict[int, dict]] = defaultdict(dict)
+    for rank, comms in comm_stats.items():
+        for comm, stats in comms.items():
+            out[comm][rank] = stats
+    return out
+
+
+def find_suspects(comm_stats: dict[int, dict[str, dict]], *, rank_nodes: dict[int, str],
+                  iteration_s: dict[int, float]) -> list[Suspect]:
+    """Suspects, most suspicious first.
+
+    Args:
+        comm_stats: rank -> comm id -> ``{"bytes_per_iter", "seconds_per_iter", "op"}``
+            (as the agents publish them).
+        rank_nodes: rank -> node name.
+        iteration_s: rank -> its current iteration time (s).
+    """
+    members = _members(comm_stats)
+    suspects: list[Suspect] = []
+    # Compute: the late arriver of each collective with peers that wait for it.
+    late: dict[int, list[float]] = defaultdict(list)
+    for comm, ranks in members.items():
+        if len(ranks) < 2 or next(iter(ranks.values())).get("op") not in COLLECTIVE_OPS:
+            continue
+        times = {r: float(s["seconds_per_iter"]) for r, s in ranks.items()}
+        last = min(times, key=times.get)
+        peers = [t - times[last] for r, t in times.items() if r != last]
+        wait = float(np.mean(peers))
+        it = float(np.median([iteration_s.get(r, 0.0) for r in ranks])) or 1.0
+        if wait / it > WAIT_FRACTION and min(peers) / it > WAIT_FRACTION / 2:
+            late[last].append(wait / it)
+    for rank, waits in late.items():
+        suspects.append(Suspect(kind="compute", ranks=(rank,), nodes=(rank_nodes.get(rank, "?"),), comm=None,
+                                score=float(np.mean(waits)),
+                                why=f"arrives last at {len(waits)} collective(s); peers wait "
+                                    f"{np.mean(waits):.0%} of an iteration"))
+    # Link: a communicator slower than others moving the same bytes with the same op.
+    groups = []
+    for comm, ranks in members.items():
+        stats = list(ranks.values())
+        groups.append((comm, stats[0].get("op"), float(np.median([s["bytes_per_iter"] for s in stats])),
+                       min(float(s["seconds_per_iter"]) for s in stats), tuple(sorted(ranks))))
+    used = set()
+    for i, (comm, op, nbytes, _, _) in enumerate(groups):
+        if i in used or nbytes <= 0:
+            continue
+        cluster = [j for j, g in enumerate(groups)
+                   if g[1] == op and abs(g[2] - nbytes) <= SAME_BYTES_RTOL * nbytes]
+        used.update(cluster)
+        if len(cluster) < 2:
+            continue
+        median = float(np.median([groups[j][3] for j in cluster]))
+        for j in cluster:
+            c, _, _, t, ranks = groups[j]
+            if median > 0 and t > (1 + LINK_TOLERANCE) * median:
+                nodes = tuple(sorted({rank_nodes.get(r, "?") for r in ranks}))
+                suspects.append(Suspect(kind="link", ranks=ranks, nodes=nodes, comm=c, score=t / median,
+                                        why=f"{op} on comm {c} takes {t / median:.2f}x the median of "
+                                            f"{len(cluster)} groups moving {nbytes:.0f} bytes per iteration"))
+    return sorted(suspects, key=lambda s: -s.score)

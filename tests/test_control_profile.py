@@ -1,0 +1,50 @@
+"""Profiling on hand-made agent stats: who arrives last, which group is slow."""
+
+from __future__ import annotations
+
+from greyhound.control.profile import find_suspects
+
+NODES = {0: "n1", 1: "n1", 2: "n2", 3: "n2", 4: "n3", 5: "n3", 6: "n4", 7: "n4"}
+IT = {r: 1.0 for r in NODES}
+
+
+def _ar(seconds, nbytes=4e6):
+    return {"bytes_per_iter": nbytes, "seconds_per_iter": seconds, "op": "AllReduce"}
+
+
+def dp_groups(times):
+    """Four DP groups of two ranks (r, r+4), all moving the same bytes."""
+    stats = {r: {} for r in NODES}
+    for g in range(4):
+        for r in (g, g + 4):
+            stats[r][f"dp{g}"] = _ar(times.get(r, 0.10 if r == g else 0.11))
+    return stats
+
+
+def test_healthy_groups_give_no_suspect():
+    assert find_suspects(dp_groups({}), rank_nodes=NODES, iteration_s=IT) == []
+
+
+def test_the_late_arriver_is_the_compute_suspect():
+    # rank 5's peer (rank 1) waits 0.4 s in the allreduce: rank 5 arrives last.
+    suspects = find_suspects(dp_groups({1: 0.50, 5: 0.10}), rank_nodes=NODES, iteration_s=IT)
+    assert [(s.kind, s.ranks, s.nodes) for s in suspects] == [("compute", (5,), ("n3",))]
+    assert abs(suspects[0].score - 0.40) < 1e-9
+
+
+def test_a_group_slower_than_its_cluster_is_a_link_suspect():
+    # dp2 (ranks 2 and 6) takes 0.3 s on both members: its transfer is slow, nobody waits.
+    suspects = find_suspects(dp_groups({2: 0.30, 6: 0.30}), rank_nodes=NODES, iteration_s=IT)
+    assert [(s.kind, s.comm, s.nodes) for s in suspects] == [("link", "dp2", ("n2", "n4"))]
+    assert abs(suspects[0].score - 3.0) < 1e-9     # 0.30 s against the median 0.10 s
+
+
+def test_groups_moving_other_bytes_are_not_compared():
+    stats = dp_groups({})
+    stats[2]["pp"] = {"bytes_per_iter": 1e3, "seconds_per_iter": 0.5, "op": "Send"}
+    stats[3]["pp"] = {"bytes_per_iter": 1e3, "seconds_per_iter": 0.5, "op": "Recv"}
+    assert find_suspects(stats, rank_nodes=NODES, iteration_s=IT) == []
+
+
+def test_a_small_wait_is_jitter_not_a_straggler():
+    assert find_suspects(dp_groups({1: 0.13, 5: 0.10}), rank_nodes=NODES, iteration_s=IT) == []
