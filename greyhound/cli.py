@@ -41,6 +41,7 @@ _SUBCOMMANDS: list[tuple[str, str]] = [
     ("greyhound.detect_cli", "detect"),
     ("postmortem.merge", "merge_command"),
     ("greyhound.report_cli", "report"),
+    ("greyhound.status_cli", "status"),
     ("greyhound.inject.cli", "inject"),
 ]
 

@@ -81,6 +81,8 @@ class SlurmClient(Protocol):
 
     def owner_ids(self, job_id: str) -> tuple[int, int]: ...
 
+    def node_address(self, node: str) -> str: ...
+
     def hostnames(self, node_list: str) -> list[str]: ...
 
     def listpids(self, job_step: str) -> str: ...
@@ -194,6 +196,21 @@ class CommandLineClient:
         except ValueError:
             raise SlurmError(f"job {job_id}: cannot tell which user it ran as (got {out.strip()!r})") from None
         return uid, gid
+
+    def node_address(self, node: str) -> str:
+        """The IPv4 address other nodes reach ``node`` at (its NodeAddr, resolved)."""
+        import socket
+
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", node):
+            raise InputError(f"{node!r} is not a node name")
+        out = _run(["scontrol", "show", "node", "-o", node], what=f"node {node}")
+        match = re.search(r"\bNodeAddr=(\S+)", out)
+        if not match:
+            raise SlurmError(f"node {node}: scontrol shows no NodeAddr")
+        try:
+            return socket.getaddrinfo(match.group(1), None, socket.AF_INET)[0][4][0]
+        except OSError as exc:
+            raise SlurmError(f"node {node}: cannot resolve NodeAddr {match.group(1)}: {exc}") from None
 
     def listpids(self, job_step: str) -> str:
         """Raw `scontrol listpids JOB[.STEP]` output: this host's processes of the job."""

@@ -1,0 +1,110 @@
+"""Every key of the job's Redis and its schema, in one place.
+
+The job's Redis is its own (one server per job), so keys carry no job prefix. Each key
+has one writer: the module named beside it; everyone else only reads it.
+
+| key | type | writer | what |
+|---|---|---|---|
+| ``plane`` | hash | master | ``state`` (see STATES), ``since``, ``master_node``, ``nodes`` (JSON list), ``poll_s``, ``heartbeat`` (Unix s) |
+| ``agent:{node}`` | hash | agent | ``heartbeat``, ``ranks`` (JSON list), ``cpu_s`` (the agent's CPU time) |
+| ``rank:{rank}`` | hash | agent | ``node``, ``pid``, ``period``, ``iterations``, ``current_s``, ``baseline_s``, ``slowdown``, ``slow_since`` (iteration, "" when healthy), ``changepoints`` (JSON list), ``lost`` |
+| ``iters:{rank}`` | list | agent | the last ITERATIONS_KEPT iteration times (s), oldest first |
+| ``comms:{rank}`` | hash | agent | comm id -> JSON ``{"bytes_per_iter", "seconds_per_iter", "calls_per_iter", "op"}`` over the recent window |
+| ``suspects`` | string | master | JSON list of ``{"kind", "rank", "node", "comm", "why"}`` |
+| ``verdicts`` | list | master | JSON ``{"kind", "rank", "node", "nodes", "severity", "since", "measurements"}`` |
+| ``pauses`` | hash | master | ``count``, ``total_s``, ``last_s`` |
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+STATES = ("starting", "tracking", "profiling", "validating", "mitigating", "failed", "stopped")
+"""The control plane's states; ``failed`` when the master died or lost Redis."""
+ITERATIONS_KEPT = 2048
+HEARTBEAT_STALE_S = 10.0
+"""A master or agent silent for this long is taken as gone."""
+
+PLANE = "plane"
+SUSPECTS = "suspects"
+VERDICTS = "verdicts"
+PAUSES = "pauses"
+
+
+def rank_key(rank: int) -> str:
+    return f"rank:{rank}"
+
+
+def iters_key(rank: int) -> str:
+    return f"iters:{rank}"
+
+
+def comms_key(rank: int) -> str:
+    return f"comms:{rank}"
+
+
+def agent_key(node: str) -> str:
+    return f"agent:{node}"
+
+
+def dumps(value) -> str:
+    """A value as the store keeps it inside a hash field or list (JSON)."""
+    return json.dumps(value)
+
+
+def set_plane_state(client, state: str, **fields) -> None:
+    """The master's state and fields (``since`` set when the state changes)."""
+    if state not in STATES:
+        raise ValueError(f"unknown control-plane state {state!r}; known: {', '.join(STATES)}")
+    now = time.time()
+    if client.hget(PLANE, "state") != state:
+        fields["since"] = now
+    client.hset(PLANE, mapping={"state": state, "heartbeat": now,
+                                **{k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in fields.items()}})
+
+
+def publish_rank(client, rank: int, *, new_times: list[float], fields: dict) -> None:
+    """One rank's tracking state and its new iteration times, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hset(rank_key(rank), mapping={k: json.dumps(v) if isinstance(v, (list, dict)) else ("" if v is None else v)
+                                       for k, v in fields.items()})
+    if new_times:
+        pipe.rpush(iters_key(rank), *new_times)
+        pipe.ltrim(iters_key(rank), -ITERATIONS_KEPT, -1)
+    pipe.execute()
+
+
+def _decode(value: str):
+    try:
+        return json.loads(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def read_job(client) -> dict:
+    """Everything ``greyhound status`` shows, as plain data."""
+    plane = {k: _decode(v) for k, v in client.hgetall(PLANE).items()}
+    ranks = {}
+    for key in client.scan_iter(match="rank:*", count=1000):
+        rank = int(key.split(":", 1)[1])
+        ranks[rank] = {k: _decode(v) for k, v in client.hgetall(key).items()}
+    agents = {key.split(":", 1)[1]: {k: _decode(v) for k, v in client.hgetall(key).items()}
+              for key in client.scan_iter(match="agent:*", count=1000)}
+    return {
+        "plane": plane,
+        "ranks": dict(sorted(ranks.items())),
+        "agents": agents,
+        "suspects": _decode(client.get(SUSPECTS) or "[]"),
+        "verdicts": [_decode(v) for v in client.lrange(VERDICTS, 0, -1)],
+        "pauses": {k: _decode(v) for k, v in client.hgetall(PAUSES).items()},
+    }
+
+
+def read_comm_stats(client, ranks) -> dict[int, dict[str, dict]]:
+    """rank -> comm id -> its per-iteration stats, as the agents published them."""
+    pipe = client.pipeline(transaction=False)
+    ranks = list(ranks)
+    for rank in ranks:
+        pipe.hgetall(comms_key(rank))
+    return {rank: {c: _decode(v) for c, v in stats.items()} for rank, stats in zip(ranks, pipe.execute())}

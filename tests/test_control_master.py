@@ -1,0 +1,86 @@
+"""The master's state machine on a real job Redis, fed what agents would publish."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from greyhound.control import store
+from greyhound.control.events import read_events
+from greyhound.control.master import Master, MasterConfig
+from greyhound.control.redis_server import start_redis, stop_redis
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server is not installed: run scripts/setup")
+NODES = ["n1", "n2", "n3", "n4"]
+
+
+@pytest.fixture
+def job(tmp_path):
+    proc, address = start_redis(tmp_path, host="127.0.0.1")
+    yield tmp_path, address.client()
+    stop_redis(proc)
+
+
+def publish(client, *, slow_ranks=(), slow_since=40, late_rank=None):
+    """Eight ranks (r on node r // 2), DP groups (r, r + 4); late_rank arrives last."""
+    for r in range(8):
+        slow = r in slow_ranks
+        store.publish_rank(client, r, new_times=[0.3 if slow else 0.2], fields={
+            "node": NODES[r // 2], "iterations": 60, "current_s": 0.3 if slow else 0.2, "baseline_s": 0.2,
+            "slowdown": 1.5 if slow else 1.0, "slow_since": slow_since if slow else None,
+        })
+        peer = r + 4 if r < 4 else r - 4
+        seconds = 0.01 if r == late_rank else (0.11 if peer == late_rank else 0.01)
+        client.hset(store.comms_key(r), mapping={f"dp{r % 4}": store.dumps(
+            {"bytes_per_iter": 4e6, "seconds_per_iter": seconds, "op": "AllReduce"})})
+
+
+def test_healthy_job_stays_tracking_with_no_event(job):
+    run_dir, client = job
+    master = Master(run_dir, client, nodes=NODES)
+    for _ in range(5):
+        publish(client)
+        master.step()
+    assert master.state == "tracking" and read_events(run_dir) == []
+    assert client.hget(store.PLANE, "state") == "tracking"
+
+
+def test_a_slow_job_is_profiled_and_the_late_rank_named(job):
+    run_dir, client = job
+    verdicts = []
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_polls=2),
+                    on_verdict=verdicts.append)
+    publish(client, slow_ranks=range(8), late_rank=5)
+    master.step()
+    assert master.state == "profiling"
+    master.step()
+    master.step()
+    assert master.state == "tracking"
+    kinds = [e["kind"] for e in read_events(run_dir)]
+    assert kinds == ["detected", "suspects", "verdict"]
+    assert verdicts[0]["kind"] == "compute" and verdicts[0]["ranks"] == [5] and verdicts[0]["nodes"] == ["n3"]
+    assert verdicts[0]["since"] == 40 and verdicts[0]["severity"] == 1.5 and verdicts[0]["validated"] is False
+    publish(client)                          # the slowdown ends
+    master.step()
+    assert [e["kind"] for e in read_events(run_dir)][-1] == "recovered"
+
+
+def test_a_slowdown_that_ends_while_profiling_returns_to_tracking(job):
+    run_dir, client = job
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_polls=5))
+    publish(client, slow_ranks=range(8), late_rank=5)
+    master.step()
+    publish(client)
+    master.step()
+    assert master.state == "tracking"
+    assert [e["kind"] for e in read_events(run_dir)] == ["detected", "back_to_tracking"]
+
+
+def test_one_slow_rank_of_eight_is_not_a_slow_job(job):
+    run_dir, client = job
+    master = Master(run_dir, client, nodes=NODES)
+    publish(client, slow_ranks=[3])
+    master.step()
+    assert master.state == "tracking" and read_events(run_dir) == []
