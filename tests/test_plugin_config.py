@@ -1,10 +1,13 @@
 """The SPANK plugin's pure C parts, built and run under ASan/UBSan: the option and
-plugstack parsers (config.c) and PYTHONPATH/LD_PRELOAD handling (pathlist.c)."""
+plugstack parsers (config.c), PYTHONPATH/LD_PRELOAD handling (pathlist.c) and the run
+directories (rundir.c)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import tempfile
 
 import pytest
 
@@ -37,6 +40,18 @@ def test_plugin_path_lists_under_sanitizers(tmp_path):
     build_and_run(tmp_path, "test_plugin_pathlist", "pathlist.c")
 
 
+@needs_gcc
+@pytest.mark.skipif(os.geteuid() != 0, reason="the run directories are made as root (chown, root-owned parents)")
+def test_plugin_run_directories_under_sanitizers(tmp_path):
+    # A root-owned 0700 directory in /tmp: pytest's tmp_path may sit below a parent
+    # that rundir.c rightly refuses (not root-owned); the test wants safe parents.
+    work = tempfile.mkdtemp(prefix="greyhound-rundir-", dir="/tmp")
+    try:
+        build_and_run(tmp_path, "test_plugin_rundir", "rundir.c", work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def test_plugin_exports_only_the_spank_symbols(tmp_path):
     subprocess.run(["make", "-s", "-C", str(REPO / "spank"), f"BUILD={tmp_path}", str(tmp_path / "greyhound_spank.so")],
                    check=True, capture_output=True)
@@ -44,4 +59,4 @@ def test_plugin_exports_only_the_spank_symbols(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     exported = sorted(line.split()[-1] for line in out.splitlines())
     assert exported == sorted(["plugin_name", "plugin_type", "plugin_version", "spank_plugin_version",
-                               "slurm_spank_init", "slurm_spank_init_post_opt"])
+                               "slurm_spank_init", "slurm_spank_init_post_opt", "slurm_spank_job_epilog"])

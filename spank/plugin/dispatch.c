@@ -1,6 +1,6 @@
 /*
- * The only file that defines slurm_spank_* hooks run in several contexts; each
- * forwards to the file of its context. Hooks of one context live in that file.
+ * The only file that defines slurm_spank_* hooks; each forwards to the file of its
+ * context (args.c: local/allocator, remote.c: slurmstepd, jobscript.c: job epilog).
  */
 #include <string.h>
 
@@ -57,5 +57,11 @@ int slurm_spank_init_post_opt(spank_t sp, int ac, char **av)
 	default:
 		return 0;
 	}
+}
+
+/* Job-script context only: as root on each node of every job when it ends. */
+int slurm_spank_job_epilog(spank_t sp, int ac, char **av)
+{
+	return gh_job_epilog(sp, ac, av);
 }
 #pragma GCC visibility pop

@@ -11,6 +11,9 @@
 
 #include <limits.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <time.h>
 
 #include <slurm/spank.h>
 
@@ -59,7 +62,21 @@ int gh_local_init_post_opt(void);
 /* pathlist.c */
 int gh_path_prepend(char *out, size_t out_len, const char *entry, const char *current, const char *separators);
 
+/* rundir.c: the run directories, by file descriptor (see the file's comment) */
+int gh_rundir_open(const char *rundir, int create, char *err, size_t err_len);
+int gh_rundir_lock(int rundir_fd, char *err, size_t err_len);
+void gh_rundir_unlock(int lock_fd);
+int gh_job_dir_prepare(int rundir_fd, uint32_t job_id, uid_t uid, gid_t gid, char *err, size_t err_len);
+int gh_job_dir_end(int rundir_fd, uint32_t job_id, char *err, size_t err_len);
+int gh_rundir_sweep(int rundir_fd, int retain_days, time_t now, char *err, size_t err_len);
+int gh_job_file_write(int dir_fd, const char *name, const char *content, uid_t uid, gid_t gid, char *err,
+		      size_t err_len);
+int gh_remove_tree_at(int parent_fd, const char *name);
+
 /* remote.c */
 int gh_remote_init_post_opt(spank_t sp);
+
+/* jobscript.c */
+int gh_job_epilog(spank_t sp, int ac, char **av);
 
 #endif /* GREYHOUND_H */

@@ -3,7 +3,8 @@
  *
  * In slurm_spank_init_post_opt, as root before the tasks fork, for every step
  * (batch, srun):
- *   - create the per-job run directory (mode 0700, owned by the job's user);
+ *   - check rundir= and make the job's run directory in it (rundir.c: by file
+ *     descriptor; mode 0700, owned by the job's user, fresh for a reused job id);
  *   - export GREYHOUND_* into the job's environment;
  *   - prepend the hook to LD_PRELOAD and the Python capture to PYTHONPATH, keeping
  *     the user's own value exactly after it (pathlist.c).
@@ -34,80 +35,27 @@ static int set_env(spank_t sp, const char *name, const char *value)
 	return 0;
 }
 
-static int make_run_dir(const char *path, uid_t uid, gid_t gid)
+/*
+ * Records the job's effective options in the run directory for the post-mortem
+ * (EpilogSlurmctld does not see the job's environment).
+ */
+static int write_options_file(int job_fd, const char *run_dir, uid_t uid, gid_t gid)
 {
-	struct stat st;
+	char content[64 + PATH_MAX], err[GH_ERR_LEN] = "";
+	int n;
 
-	if (mkdir(path, 0700) < 0 && errno != EEXIST) {
-		slurm_error("greyhound: remote: mkdir %s: %s", path, strerror(errno));
+	n = snprintf(content, sizeof(content), "mode=%s\ntrace=%s\nreport=%s\n",
+		     gh_effective_mode(&gh_config, &gh_options), gh_options.trace == 0 ? "off" : "on",
+		     gh_options.report);
+	if (n < 0 || (size_t)n >= sizeof(content)) {
+		slurm_error("greyhound: remote: %s/options: too long; not written", run_dir);
 		return -1;
 	}
-	/* lstat: a symlink planted at the job's path must not redirect our chown. */
-	if (lstat(path, &st) < 0) {
-		slurm_error("greyhound: remote: stat %s: %s", path, strerror(errno));
-		return -1;
-	}
-	if (!S_ISDIR(st.st_mode)) {
-		slurm_error("greyhound: remote: %s exists and is not a directory", path);
-		return -1;
-	}
-	if (st.st_uid != uid || st.st_gid != gid) {
-		if (geteuid() != 0 || chown(path, uid, gid) < 0) {
-			slurm_error("greyhound: remote: %s is owned by uid %u, not the job's uid %u",
-				    path, (unsigned)st.st_uid, (unsigned)uid);
-			return -1;
-		}
-	}
-	if ((st.st_mode & 07777) != 0700 && chmod(path, 0700) < 0) {
-		slurm_error("greyhound: remote: chmod %s: %s", path, strerror(errno));
+	if (gh_job_file_write(job_fd, "options", content, uid, gid, err, sizeof(err)) < 0) {
+		slurm_error("greyhound: remote: %s/%s", run_dir, err);
 		return -1;
 	}
 	return 0;
-}
-
-/*
- * Records the job's effective options in the run directory for the post-mortem
- * (EpilogSlurmctld does not see the job's environment). Atomic: tmp + rename.
- */
-static int write_options_file(const char *run_dir, uid_t uid, gid_t gid)
-{
-	char path[PATH_MAX], tmp[PATH_MAX] = "";
-	FILE *f = NULL;
-	int n, fd = -1, rv = -1;
-
-	n = snprintf(path, sizeof(path), "%s/options", run_dir);
-	if (n < 0 || (size_t)n >= sizeof(path))
-		goto fail;
-	n = snprintf(tmp, sizeof(tmp), "%s/.options.%d", run_dir, (int)getpid());
-	if (n < 0 || (size_t)n >= sizeof(tmp))
-		goto fail;
-	fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
-	if (fd < 0 || (f = fdopen(fd, "w")) == NULL)
-		goto fail;
-	fd = -1;
-	fprintf(f, "mode=%s\ntrace=%s\nreport=%s\n", gh_effective_mode(&gh_config, &gh_options),
-		gh_options.trace == 0 ? "off" : "on", gh_options.report);
-	if (fclose(f) != 0) {
-		f = NULL;
-		goto fail;
-	}
-	f = NULL;
-	if (geteuid() == 0 && chown(tmp, uid, gid) < 0)
-		goto fail;
-	if (rename(tmp, path) < 0)
-		goto fail;
-	rv = 0;
-fail:
-	if (f)
-		fclose(f);
-	if (fd >= 0)
-		close(fd);
-	if (rv < 0) {
-		slurm_error("greyhound: remote: cannot write %s/options: %s", run_dir, strerror(errno));
-		if (tmp[0])
-			unlink(tmp);
-	}
-	return rv;
 }
 
 /*
@@ -142,11 +90,11 @@ fail:
 
 int gh_remote_init_post_opt(spank_t sp)
 {
+	char job_id_str[16], run_dir[PATH_MAX], path[PATH_MAX], err[GH_ERR_LEN] = "";
+	int n, rundir_fd = -1, job_fd = -1;
 	uint32_t job_id;
 	uid_t uid;
 	gid_t gid;
-	char job_id_str[16], run_dir[PATH_MAX], path[PATH_MAX];
-	int n;
 
 	if (gh_options_from_env(sp) < 0 || !gh_enabled(&gh_config, &gh_options))
 		return 0;
@@ -159,22 +107,28 @@ int gh_remote_init_post_opt(spank_t sp)
 	snprintf(job_id_str, sizeof(job_id_str), "%u", job_id);
 	n = snprintf(run_dir, sizeof(run_dir), "%s/%u", gh_config.rundir, job_id);
 	if (n < 0 || (size_t)n >= sizeof(run_dir)) {
-		slurm_error("greyhound: remote: run directory path too long; greyhound is off");
+		slurm_error("greyhound: remote: run directory path too long; greyhound is off for job %u", job_id);
 		return 0;
 	}
-	if (make_run_dir(run_dir, uid, gid) < 0) {
-		slurm_error("greyhound: remote: no run directory; greyhound is off for job %u", job_id);
+	if ((rundir_fd = gh_rundir_open(gh_config.rundir, 1, err, sizeof(err))) < 0) {
+		slurm_error("greyhound: remote: unsafe or unusable %s; greyhound is off for job %u", err, job_id);
 		return 0;
 	}
-	write_options_file(run_dir, uid, gid);
+	if ((job_fd = gh_job_dir_prepare(rundir_fd, job_id, uid, gid, err, sizeof(err))) < 0) {
+		slurm_error("greyhound: remote: run directory %s: %s; greyhound is off for job %u", run_dir, err, job_id);
+		goto out;
+	}
+	if (err[0])
+		slurm_info("greyhound: remote: run directory %s: %s", run_dir, err);
+	write_options_file(job_fd, run_dir, uid, gid);
 	if (set_env(sp, "GREYHOUND_JOB_ID", job_id_str) < 0 ||
 	    set_env(sp, "GREYHOUND_MODE", gh_effective_mode(&gh_config, &gh_options)) < 0 ||
 	    set_env(sp, "GREYHOUND_RUN_DIR", run_dir) < 0 ||
 	    set_env(sp, "GREYHOUND_PREFIX", gh_config.prefix) < 0 ||
 	    set_env(sp, "GREYHOUND_TRACE", gh_options.trace == 0 ? "off" : "on") < 0)
-		return 0;
+		goto out;
 	if (gh_options.report[0] && set_env(sp, "GREYHOUND_REPORT_DIR", gh_options.report) < 0)
-		return 0;
+		goto out;
 
 	n = snprintf(path, sizeof(path), "%s/" GH_LIBDIR "/" GH_HOOK_LIB, gh_config.prefix);
 	if (n < 0 || (size_t)n >= sizeof(path))
@@ -188,5 +142,10 @@ int gh_remote_init_post_opt(spank_t sp)
 	n = snprintf(path, sizeof(path), "%s/" GH_LIBDIR "/python", gh_config.prefix);
 	if (n >= 0 && (size_t)n < sizeof(path) && access(path, R_OK | X_OK) == 0)
 		prepend_env(sp, "PYTHONPATH", path, ":");
+out:
+	if (job_fd >= 0)
+		close(job_fd);
+	if (rundir_fd >= 0)
+		close(rundir_fd);
 	return 0;
 }
