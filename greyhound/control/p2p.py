@@ -1,0 +1,66 @@
+"""P2P bandwidth tests between the job's nodes, run by the node agents with mpi4py.
+
+Collective over the control plane's world (one rank per node): every agent calls
+:func:`measure_passes` with the same passes; in each pass the two agents of a link
+exchange ``nbytes`` both ways (``Sendrecv``) ``repeats`` times, the others wait at the
+pass's barrier. Each link's bandwidth is the median over repeats of bytes moved each
+way / seconds. :func:`slow_links` then judges links against the others (pure).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+SLOW_FRACTION = 0.5
+"""A link below half the median bandwidth of the job's links is slow."""
+
+
+def measure_passes(comm, node: str, passes: Sequence[Sequence[tuple[str, str]]], *,
+                   nodes: Sequence[str], nbytes: int = 8 << 20, repeats: int = 3) -> dict[str, float]:
+    """Bandwidth (bytes/s) of each link this agent took part in, keyed "a-b".
+
+    Args:
+        comm: the control plane's MPI communicator (rank i runs on nodes[i]).
+        node: this agent's node.
+        passes: node-disjoint links per pass (links.link_passes), the same on every rank.
+        nodes: node of each rank of comm.
+    """
+    rank_of = {n: i for i, n in enumerate(nodes)}
+    send = np.ones(nbytes, dtype=np.uint8)
+    recv = np.empty_like(send)
+    out: dict[str, float] = {}
+    for links in passes:
+        for a, b in links:
+            if node not in (a, b):
+                continue
+            peer = rank_of[b if node == a else a]
+            seconds = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                comm.Sendrecv(send, dest=peer, sendtag=7, recvbuf=recv, source=peer, recvtag=7)
+                seconds.append(time.perf_counter() - t0)
+            out[f"{a}-{b}"] = nbytes / float(np.median(seconds))
+        comm.Barrier()
+    return out
+
+
+def slow_links(bandwidth: dict[str, float], *, fraction: float = SLOW_FRACTION) -> list[dict]:
+    """Links below ``fraction`` of the median bandwidth, slowest first, with the node
+    they share with other slow links (the node whose NIC or link is at fault) if any."""
+    if len(bandwidth) < 2:
+        return []
+    median = float(np.median(list(bandwidth.values())))
+    slow = sorted((bw, link) for link, bw in bandwidth.items() if bw < fraction * median)
+    counts: dict[str, int] = {}
+    for _, link in slow:
+        for n in link.split("-"):
+            counts[n] = counts.get(n, 0) + 1
+    out = []
+    for bw, link in slow:
+        a, b = link.split("-")
+        common = a if counts[a] > counts[b] else b if counts[b] > counts[a] else None
+        out.append({"link": link, "bandwidth_Bps": bw, "ratio": bw / median, "node": common})
+    return out
