@@ -117,6 +117,12 @@ int gh_config_parse(struct gh_config *config, int ac, char **av, char *err, size
 		const char *value = eq ? eq + 1 : NULL;
 		size_t k;
 
+		/* Messages quote the argument: it must not break the one-line message. */
+		for (const char *c = av[i]; *c; c++) {
+			if (iscntrl((unsigned char)*c))
+				FAIL("argument %d: control character 0x%02x at position %zu; only printable characters are allowed",
+				     i + 1, (unsigned char)*c, (size_t)(c - av[i]) + 1);
+		}
 		for (k = 0; k < sizeof(config_keys) / sizeof(config_keys[0]); k++) {
 			if (eq && strlen(config_keys[k].name) == key_len &&
 			    !strncmp(av[i], config_keys[k].name, key_len))

@@ -108,6 +108,14 @@ int main(void)
 			      strstr(err, "use a whole number of days from 0 to 3650"));
 		CHECK(gh_config_parse(&c, 1, no_value, err, 512) < 0 && strstr(err, "unknown argument 'retain'"));
 		CHECK(gh_config_parse(&c, 1, retain_max, err, 512) == 0 && c.retain_days == 3650);
+		/* Found by scripts/fuzz-options: a control character in an argument was echoed
+		 * into the message, splitting the "one line" (log injection). */
+		{
+			char *newline[] = { "mode=detect", "rundir=/a/../x\n:/b dir" };
+
+			CHECK(gh_config_parse(&c, 2, newline, err, 512) < 0 && strchr(err, '\n') == NULL &&
+			      strstr(err, "argument 2: control character 0x0a at position 15"));
+		}
 	}
 
 	/* Precedence: the user's option over the admin's default. */
