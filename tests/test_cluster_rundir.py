@@ -50,11 +50,15 @@ def fields(text: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
 
 
+JOB_EPILOG_HINT = ("greyhound's SPANK job epilog did not clean up: slurmd runs it only when it was started "
+                   "with this plugin installed (restart slurmd after `make -C spank install`)")
+
+
 def wait_until(predicate, timeout_s: float = 60, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; {JOB_EPILOG_HINT}")
         time.sleep(0.5)
 
 
