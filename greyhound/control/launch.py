@@ -1,0 +1,84 @@
+"""Starts the job's control plane: what the SPANK plugin runs in the batch step.
+
+``python -I -m greyhound.control.launch``, as the job's user, in the batch step, a child
+of the batch script (so Slurm ends it with the job). It runs
+
+    srun --overlap --nodes=N --ntasks-per-node=1 --mpi=pmix --gres=none ...
+         python -I -m greyhound.control.plane
+
+``--overlap`` makes the step share every CPU, memory and GRES with the job's other
+steps, so the user's own ``srun`` never waits for it (Slurm >= 21.08). srun's own
+messages and the plane's output go to ``<run dir>/control-plane.log``, not the job's
+output; if the plane cannot start, one ``greyhound:`` line in the job's output says
+why and the job runs on. When the job ends, Slurm signals this process and the step;
+that is not a failure and says nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from greyhound.control.redis_server import ADDRESS_FILE
+
+LOG_FILE = "control-plane.log"
+
+
+def srun_command(*, python: str, num_nodes: int) -> list[str]:
+    return ["srun", "--overlap", f"--nodes={num_nodes}", f"--ntasks={num_nodes}", "--ntasks-per-node=1",
+            "--mpi=pmix", "--gres=none", "--job-name=greyhound", "--kill-on-bad-exit=0", "--quiet",
+            "--export=ALL", python, "-I", "-m", "greyhound.control.plane"]
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
+
+
+def main() -> int:
+    run_dir = os.environ.get("GREYHOUND_RUN_DIR")
+    if not run_dir:
+        return 0
+    ending = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT):
+        signal.signal(sig, lambda s, _f: ending.append(s) if s != signal.SIGCONT else None)
+    num_nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+    log_path = Path(run_dir) / LOG_FILE
+    try:
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        print(f"greyhound: control plane not started: cannot open {log_path}: {exc.strerror}", file=sys.stderr)
+        return 0
+    # The plane runs on the interpreter that runs this (the plugstack's python=).
+    env = {**os.environ, "GREYHOUND_CONTROL_PLANE": "1"}
+    try:
+        proc = subprocess.Popen(srun_command(python=sys.executable, num_nodes=num_nodes), stdin=subprocess.DEVNULL,
+                                stdout=fd, stderr=fd, env=env)
+    except OSError as exc:
+        print(f"greyhound: control plane not started: srun: {exc.strerror}; the job runs without online "
+              "detection", file=sys.stderr)
+        return 0
+    finally:
+        os.close(fd)
+    while True:
+        try:
+            rc = proc.wait()
+            break
+        except InterruptedError:
+            continue
+    started = (Path(run_dir) / ADDRESS_FILE).exists()     # the master had its Redis up
+    if rc != 0 and not ending and not started:
+        why = _last_line(log_path) or f"srun exited with status {rc}"
+        print(f"greyhound: control plane not started: {why} (see {log_path}); the job runs without online "
+              "detection", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

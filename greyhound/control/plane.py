@@ -1,0 +1,150 @@
+"""The control plane of one job: one MPI world, one rank per node (``python -m
+greyhound.control.plane``, started by the SPANK plugin with ``srun --overlap``).
+
+Every rank is its node's agent; rank 0 is also the master and runs the job's Redis.
+Each poll: agents read their rings and publish, then the master decides (master.py),
+then every rank learns by broadcast whether the master asks for a validation round,
+which all ranks take part in (the pause is job-wide and the P2P tests run between
+nodes). A SIGTERM (the job ends, Slurm ends the step) stops the loop; the master then
+marks the plane stopped and stops Redis.
+
+It fails open: whatever breaks here (Redis, a ring, MPI, this code), the training job
+runs on. The pause gate lets go by itself after its timeout if nobody resumes it, and
+this process resumes every ring it paused before it exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from greyhound.control import store
+from greyhound.control.agent import AgentConfig, NodeAgent
+from greyhound.control.events import append_event
+from greyhound.control.master import Master, MasterConfig
+
+log = logging.getLogger("greyhound.control")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PlaneConfig:
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    master: MasterConfig = dataclasses.field(default_factory=MasterConfig)
+
+
+def _tracker_factory(info):
+    from greyhound.analytics.tracker import RankTracker
+
+    return RankTracker()
+
+
+class _Stop:
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._set)
+
+    def _set(self, *_: object) -> None:
+        self.requested = True
+
+
+def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    nodes = comm.allgather(node)
+    redis_proc = address = None
+    if comm.rank == 0:
+        from greyhound.control.redis_server import start_redis
+        from greyhound.slurm_client import connect
+
+        try:
+            host = connect().node_address(node)
+        except Exception:   # no Slurm answer: the address the host name resolves to
+            host = socket.gethostbyname(socket.gethostname())
+        try:
+            redis_proc, address = start_redis(run_dir, host=host)
+        except Exception as exc:
+            print(f"greyhound: control plane: cannot start the job's Redis: {exc}; greyhound only records "
+                  "this job", file=sys.stderr, flush=True)
+            append_event(run_dir, "control_plane_failed", why=str(exc))
+    address = comm.bcast(address, root=0)
+    if address is None:
+        return 0
+    client = address.client()
+    agent = NodeAgent(run_dir, node, tracker_factory=_tracker_factory, config=config.agent)
+    master = None
+    try:
+        if comm.rank == 0:
+            master = Master(run_dir, client, nodes=nodes, config=config.master)
+            append_event(run_dir, "control_plane_started", master_node=node, nodes=nodes,
+                         poll_s=config.agent.poll_s, pid=os.getpid())
+        while True:
+            t0 = time.monotonic()
+            agent.poll()
+            agent.publish(client)
+            comm.Barrier()          # every agent has published this poll
+            if master is not None:
+                master.step()
+            if comm.allreduce(stop.requested, op=MPI.LOR):
+                break
+            time.sleep(max(0.0, config.agent.poll_s - (time.monotonic() - t0)))
+    except Exception as exc:
+        if stop.requested:          # the job is ending: Redis or a peer went first
+            return 0
+        log.debug("control plane failed", exc_info=True)
+        print(f"greyhound: control plane: {node}: {type(exc).__name__}: {exc}; the job runs on without it",
+              file=sys.stderr, flush=True)
+        if comm.rank == 0:
+            _mark(client, run_dir, "failed", why=f"{type(exc).__name__}: {exc}")
+        return 0
+    finally:
+        agent.resume()
+        agent.close()
+    if comm.rank == 0:
+        _mark(client, run_dir, "stopped")
+        from greyhound.control.redis_server import stop_redis
+
+        stop_redis(redis_proc)
+    return 0
+
+
+def _mark(client, run_dir: Path, state: str, **fields) -> None:
+    try:
+        store.set_plane_state(client, state, **fields)
+    except Exception:   # Redis is gone too: the event log still says it
+        pass
+    append_event(run_dir, "control_plane_stopped" if state == "stopped" else "control_plane_failed", **fields)
+
+
+def main() -> int:
+    logging.basicConfig(level=os.environ.get("GREYHOUND_LOG_LEVEL", "WARNING"),
+                        format="greyhound: control plane: %(message)s")
+    stop = _Stop()
+    run_dir = os.environ.get("GREYHOUND_RUN_DIR")
+    if not run_dir:
+        print("greyhound: control plane: GREYHOUND_RUN_DIR is not set; nothing to watch", file=sys.stderr)
+        return 0
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    try:
+        poll_s = float(os.environ.get("GREYHOUND_POLL_S", "0.5"))
+        config = PlaneConfig(agent=AgentConfig(poll_s=poll_s))
+    except ValueError as exc:
+        print(f"greyhound: control plane: GREYHOUND_POLL_S: {exc}; using 0.5", file=sys.stderr)
+        config = PlaneConfig()
+    try:
+        return run(Path(run_dir), node=node, config=config, stop=stop)
+    except Exception as exc:   # fail open, always
+        print(f"greyhound: control plane: {type(exc).__name__}: {exc}; the job runs on without it",
+              file=sys.stderr, flush=True)
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
