@@ -1,0 +1,108 @@
+"""Validation: pause the job consistently, test the suspects, resume. Pure decisions here;
+the plane (plane.py) carries them out on every node at once.
+
+The pause. A rank blocked inside a call (a receive waiting for a parked peer) never
+reaches the gate, so "park every rank at its next call" can deadlock the pause. Every
+rank is instead parked before the first call of the *same* future iteration: ranks of a
+synchronous job run in lockstep, so each rank's iteration that starts nearest a common
+future time T is the same iteration everywhere; the agent turns it into that rank's
+call number (its tracker knows the period and where the iteration starts) and sets the
+gate to hold the rank there. No parked rank then owes a blocked one anything.
+
+The tests, while every rank is parked:
+- a GEMM in each suspect rank's own process (its CPU set, cgroup, device), sized to
+  take about ``GEMM_TARGET_S`` when healthy, and the same GEMM on reference ranks; a
+  suspect is confirmed when it takes more than ``GEMM_SLOW_RATIO`` times the
+  references' median;
+- P2P bandwidth along the links the job uses, in node-disjoint passes (links.py,
+  p2p.py); a link suspect is confirmed when a slow link touches its nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+GEMM_TARGET_S = 0.2
+GEMM_SLOW_RATIO = 1.3
+GEMM_CALIBRATION_N = 256
+GEMM_MIN_N, GEMM_MAX_N = 64, 4096
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RankClock:
+    """Where one rank stands, as its tracker knows it."""
+
+    rank: int
+    iteration: int
+    """Index of the last iteration that started."""
+    started_s: float
+    """When it started (Unix seconds)."""
+    iteration_s: float
+    """The rank's current iteration time (seconds)."""
+
+
+def pause_iterations(clocks: list[RankClock], *, at_s: float) -> dict[int, int]:
+    """For each rank, the index of its iteration that starts nearest ``at_s`` (and not
+    before the next one): the same iteration on every rank of a lockstep job.
+
+    Raises:
+        ValueError: a rank has no iteration time yet (its tracker has no period).
+    """
+    out = {}
+    for c in clocks:
+        if not c.iteration_s > 0:
+            raise ValueError(f"rank {c.rank} has no iteration time yet")
+        ahead = max(1, round((at_s - c.started_s) / c.iteration_s))
+        out[c.rank] = c.iteration + ahead
+    return out
+
+
+def pause_lead_s(clocks: list[RankClock], *, poll_s: float) -> float:
+    """How far ahead to place the pause: the agents must set the gates before any rank
+    reaches that iteration, so a couple of polls and two iterations of the slowest rank."""
+    slowest = max((c.iteration_s for c in clocks), default=0.0)
+    return 2 * poll_s + 2 * slowest
+
+
+def gemm_size(calibration_s: float, *, n0: int = GEMM_CALIBRATION_N, target_s: float = GEMM_TARGET_S) -> int:
+    """The GEMM size that takes about target_s, from the time of an n0 x n0 GEMM (time
+    grows as n^3)."""
+    if not calibration_s > 0:
+        return n0
+    n = n0 * (target_s / calibration_s) ** (1 / 3)
+    return int(min(GEMM_MAX_N, max(GEMM_MIN_N, 16 * math.floor(n / 16))))
+
+
+def reference_ranks(suspects: list[int], ranks: list[int], *, count: int = 2) -> list[int]:
+    """Ranks to judge the suspects against: healthy ones, spread over the rank list."""
+    healthy = [r for r in ranks if r not in set(suspects)]
+    if len(healthy) <= count:
+        return healthy
+    idx = np.linspace(0, len(healthy) - 1, count).round().astype(int)
+    return [healthy[i] for i in idx]
+
+
+def judge_gemm(times_s: dict[int, float], *, suspects: list[int], references: list[int]) -> list[dict]:
+    """Per suspect rank: its GEMM time, the references' median, confirmed or not."""
+    ref = [times_s[r] for r in references if times_s.get(r)]
+    median = float(np.median(ref)) if ref else float("nan")
+    out = []
+    for r in suspects:
+        t = times_s.get(r)
+        ratio = t / median if t and ref else float("nan")
+        out.append({"key": f"compute:{r}", "rank": r, "gemm_s": t, "reference_s": median,
+                    "ratio": ratio, "confirmed": bool(ratio > GEMM_SLOW_RATIO)})
+    return out
+
+
+def judge_links(slow: list[dict], *, suspect_nodes: list[tuple[str, ...]]) -> list[dict]:
+    """Per link suspect (its nodes): confirmed when a slow link touches them."""
+    out = []
+    for nodes in suspect_nodes:
+        hits = [s for s in slow if set(s["link"].split("-")) & set(nodes)]
+        out.append({"key": f"link:{','.join(nodes)}", "nodes": list(nodes), "slow_links": hits,
+                    "confirmed": bool(hits)})
+    return out

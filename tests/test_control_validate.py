@@ -1,0 +1,58 @@
+"""Validation decisions: the common pause iteration, the GEMM size, the judgements."""
+
+from __future__ import annotations
+
+import pytest
+
+from greyhound.control.validate import (
+    RankClock, gemm_size, judge_gemm, judge_links, pause_iterations, pause_lead_s, reference_ranks,
+)
+
+
+def test_lockstep_ranks_pause_at_the_same_iteration_whatever_their_numbering():
+    # Two ranks in lockstep (0.2 s iterations, starts 10 ms apart); rank 1's tracker
+    # counts from an iteration later (it missed the first, partial one).
+    clocks = [RankClock(rank=0, iteration=50, started_s=100.00, iteration_s=0.2),
+              RankClock(rank=1, iteration=49, started_s=100.01, iteration_s=0.2)]
+    target = pause_iterations(clocks, at_s=100.95)
+    # 100.95 is nearest the start at 101.0 (rank 0: iteration 55; rank 1: its 54).
+    assert target == {0: 55, 1: 54}
+
+
+def test_the_pause_is_never_the_iteration_already_running():
+    clocks = [RankClock(rank=0, iteration=7, started_s=10.0, iteration_s=1.0)]
+    assert pause_iterations(clocks, at_s=10.1) == {0: 8}
+
+
+def test_a_rank_without_a_period_cannot_be_paused_consistently():
+    with pytest.raises(ValueError, match="rank 3 has no iteration time"):
+        pause_iterations([RankClock(rank=3, iteration=0, started_s=0.0, iteration_s=0.0)], at_s=1.0)
+
+
+def test_the_lead_covers_the_agents_polls_and_two_slow_iterations():
+    clocks = [RankClock(rank=0, iteration=1, started_s=0, iteration_s=0.2),
+              RankClock(rank=1, iteration=1, started_s=0, iteration_s=0.5)]
+    assert pause_lead_s(clocks, poll_s=0.5) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("calibration_s, n", [(0.2, 256), (0.025, 512), (0.2 * 8 ** 3, 64), (1e-6, 4096)])
+def test_gemm_size_scales_as_the_cube_root(calibration_s, n):
+    assert gemm_size(calibration_s) == n
+
+
+def test_references_are_healthy_and_spread():
+    assert reference_ranks([5], list(range(8))) == [0, 7]
+    assert reference_ranks([0, 1], [0, 1, 2]) == [2]
+
+
+def test_a_slow_gemm_is_confirmed_and_a_normal_one_is_not():
+    times = {0: 0.20, 5: 0.62, 7: 0.21, 3: 0.22}
+    out = judge_gemm(times, suspects=[5, 3], references=[0, 7])
+    assert [(o["rank"], o["confirmed"]) for o in out] == [(5, True), (3, False)]
+    assert out[0]["ratio"] == pytest.approx(0.62 / 0.205)
+
+
+def test_a_link_suspect_is_confirmed_by_a_slow_link_on_its_node():
+    slow = [{"link": "n3-n4", "node": "n4"}]
+    out = judge_links(slow, suspect_nodes=[("n4",), ("n1", "n2")])
+    assert [(o["key"], o["confirmed"]) for o in out] == [("link:n4", True), ("link:n1,n2", False)]
