@@ -24,7 +24,7 @@ def _step(levels, length=40, jitter=0.0, seed=0):
 def test_bocdv_exact_on_a_clean_step_and_recovery():
     x = _step([1.0, 1.5, 1.0], length=30)
     cps = bocdv_changepoints(x)
-    assert [(c.index, c.detected_at) for c in cps] == [(30, 32), (60, 62)]
+    assert [(c.index, c.detected_at) for c in cps] == [(30, 33), (60, 63)]
     assert [c.before for c in cps] == [1.0, 1.5]
     assert [c.after for c in cps] == [1.5, 1.0]
     assert cps[0].ratio == 1.5 and cps[1].ratio == pytest.approx(2 / 3)
@@ -40,6 +40,61 @@ def test_single_spikes_are_not_change_points():
     x = _step([1.0], length=400, jitter=0.01, seed=1)
     x[[100, 200, 201, 300]] *= [2.0, 1.8, 1.7, 3.0]  # GC pauses, one of them doubled
     assert bocdv_changepoints(x) == []
+
+
+@pytest.mark.parametrize("burst", [
+    [2.0], [1.8, 1.7], [3.0, 3.0, 3.0],  # GC pauses, eval / checkpoint iterations
+    [2.0, 1.5, 1.4],  # a GC pause and 2 slow iterations after it
+    [1.2, 1.15, 1.25],  # a mild 3-iteration burst, just over 10%
+])
+def test_disturbances_of_up_to_three_iterations_are_no_change(burst):
+    x = _step([1.0], length=300, jitter=0.01, seed=7)
+    for at in (60, 120, 180, 240):
+        x[at : at + len(burst)] *= burst
+    assert bocdv_changepoints(x) == []
+
+
+def test_a_disturbance_after_a_small_benign_shift_is_no_change():
+    # +5% (benign) and, 2 iterations later, a GC pause with 2 slow iterations.
+    x = _step([1.0, 1.05], length=100, jitter=0.003, seed=8)
+    x[102:105] *= [2.4, 1.3, 1.25]
+    assert bocdv_changepoints(x) == []
+
+
+def test_four_iterations_are_a_regime_reported_on_the_fourth():
+    x = np.array([1.0] * 50 + [1.5] * 5 + [1.0] * 50)
+    cps = bocdv_changepoints(x)
+    assert [(c.index, c.detected_at, c.ratio) for c in cps] == [(50, 53, 1.5), (55, 58, 1 / 1.5)]
+    # A 3-iteration disturbance is none.
+    assert bocdv_changepoints(np.array([1.0] * 50 + [1.5] * 3 + [1.0] * 50)) == []
+
+
+def test_a_partial_first_iteration_is_no_baseline():
+    # The trace: iteration 0 is partial (0.151 s), the rest about 0.19 s.
+    x = _step([0.19], length=200, jitter=0.005, seed=9)
+    x[0] = 0.151
+    assert bocdv_changepoints(x) == []
+    x[120:] *= 1.3
+    (cp,) = bocdv_changepoints(x)
+    assert (cp.index, cp.detected_at) == (120, 123)
+    assert cp.before == pytest.approx(0.19, rel=0.01)
+    # Slow warm-up iterations: the regime restarts after them, no change reported.
+    y = _step([1.0], length=200, jitter=0.005, seed=10)
+    y[:3] *= [4.0, 2.0, 1.5]
+    assert bocdv_changepoints(y) == []
+
+
+def test_dwelling_on_a_mode_of_the_mix_is_no_new_level():
+    # Two sequence-length buckets 15% apart, drawn at random (30% the long one):
+    # runs of 4 or more long batches come by chance, but that level is no news.
+    rng = np.random.default_rng(12)
+    x = np.where(rng.random(3000) < 0.3, 1.15, 1.0) * np.exp(rng.normal(0, 0.005, 3000))
+    runs = np.convolve(x > 1.1, np.ones(4), mode="valid") == 4
+    assert runs.sum() >= 5  # the case is there
+    assert [c for c in bocdv_changepoints(x) if c.ratio > 1] == []
+    # A fail-slow to a level the job never visited is still found.
+    x[2000:] *= 1.5
+    assert any(2000 <= c.index <= 2006 and c.ratio > 1.3 for c in bocdv_changepoints(x))
 
 
 def test_benign_shift_is_flagged_by_bocd_and_rejected_by_verification():
@@ -177,6 +232,12 @@ def test_config_is_validated():
         VerifyConfig(min_change=0.0)
     with pytest.raises(ValueError, match="max_pending"):
         VerifyConfig(min_after=5, max_pending=3)
+    with pytest.raises(ValueError, match="hold_newest"):
+        VerifyConfig(hold_newest=0)
+    with pytest.raises(ValueError, match="min_before"):
+        VerifyConfig(min_before=0)
+    with pytest.raises(ValueError, match="max_visited"):
+        VerifyConfig(max_visited=0.0)
 
 
 def test_bad_iteration_times_are_refused():

@@ -133,18 +133,24 @@ def test_generated_series_give_the_references_change_points(x):
         _assert_same_posterior(kernel, reference)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     x=series(),
     cuts=st.lists(st.integers(0, 260), max_size=8),
-    min_after=st.integers(1, 4),
+    min_after=st.integers(1, 5),
     creep_every=st.integers(1, 5),
     before_window=st.sampled_from([1, 7, 50]),
+    hold_newest=st.integers(1, 5),
+    min_before=st.integers(1, 6),
+    max_visited=st.sampled_from([0.01, 0.05, 0.5, 1.0]),
 )
-def test_any_batch_split_gives_the_one_batch_result(x, cuts, min_after, creep_every, before_window):
+def test_any_batch_split_gives_the_one_batch_result(
+    x, cuts, min_after, creep_every, before_window, hold_newest, min_before, max_visited
+):
     verify = VerifyConfig(
         min_after=min_after, max_pending=max(min_after, 6), creep_every=creep_every,
-        before_window=before_window,
+        before_window=before_window, hold_newest=hold_newest, min_before=min_before,
+        max_visited=max_visited,
     )
     whole = BocdV(verify=verify).feed(x)
     split = BocdV(verify=verify)
@@ -160,7 +166,7 @@ def test_any_batch_split_gives_the_one_batch_result(x, cuts, min_after, creep_ev
 def test_feed_takes_lists_and_strided_arrays():
     x = np.repeat([1.0, 1.5, 1.0], 40)
     want = bocdv_changepoints(x)
-    assert [(c.index, c.detected_at) for c in want] == [(40, 42), (80, 82)]
+    assert [(c.index, c.detected_at) for c in want] == [(40, 43), (80, 83)]
     assert BocdV().feed(x.tolist()) == want
     assert BocdV().feed(np.repeat(x, 2)[::2]) == want
     assert BocdV().feed(x.astype(np.float32)) == want

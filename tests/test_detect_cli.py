@@ -44,8 +44,8 @@ def test_series_json_has_the_fixed_fields(tmp_path):
     assert out["period"] is None and out["iterations"] == 120
     assert out["baseline_iteration_time"] == 1.0 and out["fail_slow"] is True
     assert out["changepoints"] == [
-        {"index": 40, "detected_at": 42, "before": 1.0, "after": 1.5, "ratio": 1.5},
-        {"index": 80, "detected_at": 82, "before": 1.5, "after": 1.0, "ratio": 1.0 / 1.5},
+        {"index": 40, "detected_at": 43, "before": 1.0, "after": 1.5, "ratio": 1.5},
+        {"index": 80, "detected_at": 83, "before": 1.5, "after": 1.0, "ratio": 1.0 / 1.5},
     ]
     assert out["slow_intervals"] == [{"start_index": 40, "end_index": 80, "slowdown": 1.5}]
 

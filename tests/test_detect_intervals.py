@@ -16,28 +16,28 @@ def _cp(index):
 
 def test_one_slow_regime_is_one_interval():
     x = np.array([1.0] * 10 + [2.0] * 10 + [1.0] * 10)
-    (interval,) = slow_intervals(x, [_cp(10), _cp(20)])
+    (interval,) = slow_intervals(x, [_cp(10), _cp(20)], min_reference=10)
     assert (interval.start_index, interval.end_index, interval.slowdown) == (10, 20, 2.0)
     assert healthy_level(x, [interval]) == 1.0
 
 
 def test_interval_still_open_at_the_end_has_no_end():
     x = np.array([1.0] * 5 + [1.5] * 5)
-    (interval,) = slow_intervals(x, [_cp(5)])
+    (interval,) = slow_intervals(x, [_cp(5)], min_reference=5)
     assert interval.end_index is None and interval.slowdown == 1.5
 
 
 def test_consecutive_slow_regimes_merge_and_benign_shift_moves_healthy():
     # healthy 1.0, benign 1.05 (new healthy), slow 1.3 then 1.6, back to 1.05.
     x = np.array([1.0] * 4 + [1.05] * 60 + [1.3] * 4 + [1.6] * 4 + [1.05] * 4)
-    (interval,) = slow_intervals(x, [_cp(4), _cp(64), _cp(68), _cp(72)])
+    (interval,) = slow_intervals(x, [_cp(4), _cp(64), _cp(68), _cp(72)], min_reference=4)
     assert (interval.start_index, interval.end_index) == (64, 72)
     assert interval.slowdown == pytest.approx(np.median([1.3] * 4 + [1.6] * 4) / 1.05)
 
 
 def test_small_rise_is_not_slow():
     x = np.array([1.0] * 5 + [1.08] * 5)
-    assert slow_intervals(x, [_cp(5)]) == []
+    assert slow_intervals(x, [_cp(5)], min_reference=5) == []
 
 
 def test_change_points_must_increase():
@@ -131,3 +131,35 @@ def test_short_step_does_not_move_healthy_and_hysteresis_holds():
     # A long regime at 1.08 does become the reference: 1.15 is then no fail-slow.
     y = np.array([1.0] * 60 + [1.08] * 60 + [1.15] * 10 + [1.0] * 5)
     assert slow_intervals(y, [_cp(60), _cp(120), _cp(130)]) == []
+
+
+def test_warm_up_regimes_are_neither_slow_nor_the_reference():
+    # 10 slow warm-up iterations (compilation), then healthy, then a 1.5x fail-slow.
+    x = np.array([3.0] * 10 + [1.0] * 100 + [1.5] * 50 + [1.0] * 40)
+    (interval,) = slow_intervals(x, [_cp(10), _cp(110), _cp(160)])
+    assert (interval.start_index, interval.end_index, interval.slowdown) == (110, 160, 1.5)
+    # A partial first iteration: its regime is warm-up too.
+    y = np.array([0.8] * 4 + [1.0] * 100 + [1.2] * 30)
+    (interval,) = slow_intervals(y, [_cp(4), _cp(104)])
+    assert interval.start_index == 104 and interval.slowdown == pytest.approx(1.2)
+    # Until a regime lasts min_reference iterations there is no reference at all.
+    assert slow_intervals(x[:130], [_cp(10), _cp(110)], min_reference=200) == []
+
+
+def test_the_reference_is_where_a_drifting_level_stood_before_the_change():
+    # The healthy level drifts down 6% over 500 iterations; then +12% from there.
+    x = np.concatenate([np.linspace(1.06, 1.0, 500), np.full(60, 1.12)])
+    (interval,) = slow_intervals(x, [_cp(500)])
+    assert interval.slowdown == pytest.approx(1.12 / np.median(x[450:500]))
+    # The whole first regime's median (1.03) would have made it 1.087x: not slow.
+    assert 1.12 / np.median(x[:500]) < 1.1
+
+
+def test_a_change_accepted_as_slower_opens_at_the_hold_level():
+    # The detector judged the onset 10% slower than the level right before it; the
+    # regime's level is 1.07x the reference (a drift in between): still slow.
+    x = np.array([1.0] * 100 + [1.07] * 50)
+    onset = ChangePoint(index=100, detected_at=103, before=0.97, after=1.07)
+    (interval,) = slow_intervals(x, [onset])
+    assert interval.start_index == 100
+    assert slow_intervals(x, [_cp(100)]) == []

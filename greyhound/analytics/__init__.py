@@ -9,4 +9,6 @@
 - :mod:`.intervals`: slow intervals (onset, recovery, severity) from change points.
 - :mod:`.detect`: the whole pipeline as one call, as ``greyhound detect`` runs it.
 - :mod:`.synthetic`: seeded generators of labelled series and call traces.
+- :mod:`.scenarios`: a wider labelled test set (generators of different character,
+  tune / held-out splits, scoring) and call traces rendered from its series.
 """

@@ -105,8 +105,9 @@ typedef struct {
     double kappa0, alpha0, noise_default, noise_floor, clip, threshold;
     Py_ssize_t max_hyp, noise_window, noise_min_samples;
     /* Verification constants (VerifyConfig). */
-    double min_change, keep_prob;
+    double min_change, keep_prob, max_visited;
     int64_t min_after, max_pending, before_window, creep_window, creep_every;
+    int64_t hold_newest, min_before;
     /* gammaln(alpha + 1/2) - gammaln(alpha), alpha = alpha0 + n/2; grown by lg_func. */
     PyObject *lg_func;
     double *lg;
@@ -527,13 +528,63 @@ moved(double before, double low, double high, double min_change, double *after)
     return 0;
 }
 
+/* A moved level is a new regime (ReferenceBocdV._holds): a strict majority of the
+ * newest min_after iterations moved by min_change as well, the newest hold_newest
+ * iterations (at most min_after, none before start) each beyond sqrt(before *
+ * after) on the side of `after`, and fewer than min_after or than max_visited of
+ * the old level's iterations old[0:n_old] within half of min_change of `after`. */
 static int
-accept(Kernel *k, int64_t start, int64_t t, double before, double after, Change *out)
+holds(Kernel *k, int64_t t, double before, double after, int64_t start,
+      const double *old, Py_ssize_t n_old)
+{
+    double half = 0.5 * k->min_change;
+    /* A strict majority of the newest min_after iterations moved too. */
+    int64_t span = k->min_after < t - start + 1 ? k->min_after : t - start + 1;
+    Py_ssize_t r = window_copy(k, t - span + 1, t + 1);
+    double low, high;
+    middles(k->scratch, r, &low, &high);
+    if (after > before ? low < before * (1.0 + k->min_change)
+                       : high > before * (1.0 - k->min_change))
+        return 0;
+    int64_t count = k->hold_newest;
+    if (k->min_after < count)
+        count = k->min_after;
+    if (t - start + 1 < count)
+        count = t - start + 1;
+    Py_ssize_t m;
+    const double *newest = values_window(k, t - count + 1, t + 1, &m);
+    double middle = sqrt(before * after);
+    if (after > before) {
+        for (Py_ssize_t i = 0; i < m; i++)
+            if (!(newest[i] >= middle))
+                return 0;
+    } else {
+        for (Py_ssize_t i = 0; i < m; i++)
+            if (!(newest[i] <= middle))
+                return 0;
+    }
+    double lo = after / (1.0 + half), hi = after * (1.0 + half);
+    Py_ssize_t visited = 0;
+    for (Py_ssize_t i = 0; i < n_old; i++)
+        if (old[i] >= lo && old[i] <= hi)
+            visited++;
+    return visited < k->min_after || (double)visited < k->max_visited * (double)n_old;
+}
+
+/* A new regime from `start` on (ReferenceBocdV._rebaseline). */
+static void
+rebaseline(Kernel *k, int64_t start)
 {
     k->has_pending = k->has_suspicion = 0;
     k->regime_start = start;
     if (start > k->last_candidate)
         k->last_candidate = start;
+}
+
+static int
+accept(Kernel *k, int64_t start, int64_t t, double before, double after, Change *out)
+{
+    rebaseline(k, start);
     out->index = start;
     out->detected_at = t;
     out->before = before;
@@ -569,12 +620,16 @@ check_creep(Kernel *k, int64_t t, Change *out)
     if (!most_likely_since(k, first, &start) || t - start + 1 < k->min_after)
         return 0;
     int64_t ref_start = reference_end - k->before_window;
-    Py_ssize_t n = window_copy(k, k->regime_start > ref_start ? k->regime_start : ref_start,
-                               reference_end);
+    if (k->regime_start > ref_start)
+        ref_start = k->regime_start;
+    Py_ssize_t n = window_copy(k, ref_start, reference_end);
     if (n == 0)
         return 0; /* cannot happen: the buffer keeps 2 before_window + ... values */
     double before = median(k->scratch, n), after;
     if (!moved(before, low, high, k->min_change, &after))
+        return 0;
+    const double *old = values_window(k, ref_start, reference_end, &n);
+    if (!holds(k, t, before, after, start, old, n))
         return 0;
     return accept(k, start, t, before, after, out);
 }
@@ -611,11 +666,18 @@ step(Kernel *k, double x, Change *out)
     int64_t reference = start;
     if (k->has_suspicion && k->suspicion < start)
         reference = k->suspicion;
+    if (reference - k->regime_start < k->min_before)
+        reference = start; /* too few iterations before the suspicion to be a level */
     /* level_ratio (greyhound.analytics.changepoint). */
     int64_t lo = reference - k->before_window;
-    Py_ssize_t n = window_copy(k, k->regime_start > lo ? k->regime_start : lo, reference);
-    if (n == 0)
-        n = window_copy(k, reference - 1, reference);
+    if (k->regime_start > lo)
+        lo = k->regime_start;
+    int64_t hi = reference;
+    Py_ssize_t n = window_copy(k, lo, hi);
+    if (n == 0) {
+        lo = reference - 1;
+        n = window_copy(k, lo, hi);
+    }
     if (n == 0) {
         PyErr_Format(PyExc_ValueError,
                      "no values kept before index %lld; the buffer is too short",
@@ -626,8 +688,17 @@ step(Kernel *k, double x, Change *out)
     Py_ssize_t m = window_copy(k, start, t + 1);
     double low, high, after;
     middles(k->scratch, m, &low, &high);
-    if (moved(before, low, high, k->min_change, &after))
-        return accept(k, start, t, before, after, out);
+    if (moved(before, low, high, k->min_change, &after)) {
+        const double *old = values_window(k, lo, hi, &n);
+        if (holds(k, t, before, after, start, old, n)) {
+            if (reference - k->regime_start < k->min_before) {
+                /* The old level rests on too few iterations to be a baseline. */
+                rebaseline(k, start);
+                return 0;
+            }
+            return accept(k, start, t, before, after, out);
+        }
+    }
     if (!k->has_suspicion) {
         k->suspicion = start;
         k->has_suspicion = 1;
@@ -668,27 +739,32 @@ Kernel_init(Kernel *k, PyObject *args, PyObject *kw)
         "kappa0", "alpha0", "noise_default", "noise_floor", "clip", "threshold",
         "max_hypotheses", "noise_window", "noise_min_samples",
         "min_change", "keep_prob", "min_after", "max_pending", "before_window",
-        "creep_window", "creep_every", "lg_table", "exact_math", NULL,
+        "creep_window", "creep_every", "hold_newest", "min_before", "max_visited",
+        "lg_table", "exact_math", NULL,
     };
     long long min_after, max_pending, before_window, creep_window, creep_every;
+    long long hold_newest, min_before;
     PyObject *lg_func;
     if (k->starts != NULL) {
         PyErr_SetString(PyExc_TypeError, "greyhound: bocdv kernel: already initialised");
         return -1;
     }
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "ddddddddddddnnnddLLLLLO|p:Kernel", names, &k->log_h, &k->log_1mh,
+            args, kw, "ddddddddddddnnnddLLLLLLLdO|p:Kernel", names, &k->log_h, &k->log_1mh,
             &k->log_eps, &k->log_1m_eps, &k->logpred0_base, &k->prune_factor, &k->kappa0,
             &k->alpha0, &k->noise_default, &k->noise_floor, &k->clip, &k->threshold,
             &k->max_hyp, &k->noise_window, &k->noise_min_samples, &k->min_change,
             &k->keep_prob, &min_after, &max_pending, &before_window, &creep_window,
-            &creep_every, &lg_func, &k->exact_math))
+            &creep_every, &hold_newest, &min_before, &k->max_visited, &lg_func,
+            &k->exact_math))
         return -1;
     if (k->max_hyp < 1 || k->noise_window < 1 || k->noise_min_samples < 1 || min_after < 1
         || max_pending < min_after || before_window < 1 || creep_window < 1
-        || creep_every < 1 || !PyCallable_Check(lg_func)) {
+        || creep_every < 1 || hold_newest < 1 || min_before < 1
+        || !(k->max_visited > 0.0 && k->max_visited <= 1.0) || !PyCallable_Check(lg_func)) {
         PyErr_SetString(PyExc_ValueError,
-                        "greyhound: bocdv kernel: counts must be >= 1 and lg_table callable");
+                        "greyhound: bocdv kernel: counts must be >= 1, max_visited in (0, 1] "
+                        "and lg_table callable");
         return -1;
     }
     k->min_after = min_after;
@@ -696,6 +772,8 @@ Kernel_init(Kernel *k, PyObject *args, PyObject *kw)
     k->before_window = before_window;
     k->creep_window = creep_window;
     k->creep_every = creep_every;
+    k->hold_newest = hold_newest;
+    k->min_before = min_before;
     Py_INCREF(lg_func);
     k->lg_func = lg_func;
     Py_ssize_t cap = k->max_hyp + 1;

@@ -37,23 +37,45 @@ def slow_intervals(
     *,
     min_slowdown: float = 1.10,
     min_healthy_iterations: int = 50,
+    min_reference: int = 20,
+    level_window: int = 50,
 ) -> list[SlowInterval]:
     """Split the series at the change points and mark the regimes slower than healthy.
 
-    The first regime is healthy (there is nothing to compare it with). A later regime
-    opens a slow interval if its median is ``min_slowdown`` times the healthy level; the
-    interval goes on while regimes stay half that far above healthy (hysteresis, so a
-    level hovering at the threshold does not flap). A regime that is not slow and lasts
-    ``min_healthy_iterations`` becomes the new healthy level, so benign shifts (a new
-    data mix, a longer sequence length) move the reference with them; a short one (the
-    first step of a ramp) does not.
+    A regime is the span between two change points; its level is the median of its
+    first ``level_window`` iterations (all of them if it is shorter). That is what the
+    detector saw when the regime was young, and it is bounded: the node agent's
+    tracker recomputes it every poll without keeping a regime's whole history in view.
+
+    The healthy reference:
+
+    - Warm-up: the first regime that lasts ``min_reference`` iterations is the first
+      reference; regimes before it (a partial first iteration, compilation and cache
+      warm-up, a job that starts while a fail-slow is ending) are neither slow nor
+      healthy. A reference must rest on a level the job held, not on its first
+      iteration(s). (A fail-slow that starts within the first ``min_reference``
+      iterations and lasts becomes the reference: there is nothing to compare it with.)
+    - Later, a regime that is not slow and lasts ``min_healthy_iterations`` becomes
+      the reference when it ends, so benign shifts (a new data mix, a longer sequence
+      length) move it with them; a short one (the first step of a ramp) does not.
+    - The reference's value is the median of the last ``level_window`` iterations of
+      its regime, right before the regime ended: a level that drifted by a few percent
+      over a long regime is compared where it stood, not where it started.
+
+    A regime opens a slow interval if its level is ``min_slowdown`` times the
+    reference, or half that if its change point was itself accepted as
+    ``min_slowdown`` slower than the level right before it; the interval goes on while regimes stay half that far above it
+    (hysteresis, so a level hovering at the threshold does not flap). The interval's
+    slowdown is its median iteration time over the reference at its onset.
 
     Args:
         x: (n,) iteration times, finite and > 0.
         changepoints: change points with 0 < index < n, in increasing index order.
         min_slowdown: slowdown that counts as slow, > 1 (for "any slowdown" use a
             value just above 1).
-        min_healthy_iterations: regimes shorter than this never become the reference.
+        min_healthy_iterations: regimes shorter than this never move the reference.
+        min_reference: iterations the first reference regime needs (warm-up before).
+        level_window: iterations a regime's level and the reference are taken over.
 
     Returns:
         Slow intervals in order.
@@ -61,18 +83,34 @@ def slow_intervals(
     x = check_series(x)
     if not min_slowdown > 1:
         raise ValueError(f"min_slowdown must be > 1, got {min_slowdown!r}")
+    for name, value in (("min_healthy_iterations", min_healthy_iterations),
+                        ("min_reference", min_reference), ("level_window", level_window)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value!r}")
     hold = 1.0 + 0.5 * (min_slowdown - 1.0)
     n = len(x)
     bounds = [0] + [cp.index for cp in changepoints] + [n]
     if any(not a < b for a, b in zip(bounds, bounds[1:])):
         raise ValueError("change point indices must increase strictly within (0, n)")
     out: list[SlowInterval] = []
-    healthy = float(np.median(x[bounds[0] : bounds[1]])) if n else 1.0
+    healthy: float | None = None
     onset: int | None = None
-    onset_healthy = healthy
-    for lo, hi in zip(bounds[1:-1], bounds[2:]):
-        slowdown = float(np.median(x[lo:hi])) / healthy
-        if slowdown >= (hold if onset is not None else min_slowdown):
+    onset_healthy = 1.0
+    ratios = [0.0] + [cp.ratio for cp in changepoints]
+    for (lo, hi), ratio in zip(zip(bounds[:-1], bounds[1:]), ratios):
+        if healthy is None:
+            # Warm-up until a regime lasts min_reference iterations; that one is the
+            # first reference, and is itself healthy.
+            if hi - lo >= min_reference:
+                healthy = float(np.median(x[max(lo, hi - level_window) : hi]))
+            continue
+        level = float(np.median(x[lo : min(hi, lo + level_window)]))
+        slowdown = level / healthy
+        # Open at min_slowdown; a regime whose change point was itself accepted as
+        # min_slowdown slower needs only the hold level (its onset was judged on the
+        # level right before it, which a drift may have moved off the reference).
+        opens = hold if ratio >= min_slowdown else min_slowdown
+        if slowdown >= (hold if onset is not None else opens):
             if onset is None:
                 onset, onset_healthy = lo, healthy
             continue
@@ -80,7 +118,7 @@ def slow_intervals(
             out.append(_interval(x, onset, lo, onset_healthy))
             onset = None
         if hi - lo >= min_healthy_iterations:
-            healthy *= slowdown
+            healthy = float(np.median(x[max(lo, hi - level_window) : hi]))
     if onset is not None:
         out.append(_interval(x, onset, None, onset_healthy))
     return out

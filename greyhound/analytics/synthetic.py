@@ -68,7 +68,7 @@ def iteration_series(
     the mix of sequence lengths (AR(1), correlation time ~200 iterations); a
     garbage-collection pause every 40-300 iterations (+10-80%); allocator cache misses
     (up to 2% of iterations, +3-15%); single outliers (0.05-0.3% of iterations,
-    1.5-3x); 0-3 benign level shifts of 2-5%.
+    1.5-3x); 0-3 benign level shifts of 2-5%, together within +-5%.
 
     Args:
         rng: the random generator (the caller seeds it).
@@ -103,12 +103,19 @@ def iteration_series(
     log_x[misses] += np.log1p(rng.uniform(0.03, 0.15, len(misses)))
     outliers = np.flatnonzero(rng.random(n) < rng.uniform(0.0005, 0.003))
     log_x[outliers] += np.log(rng.uniform(1.5, 3.0, len(outliers)))
-    shifts = []
+    drawn = []
     for _ in range(min(int(rng.poisson(1.0)), 3)):
         at = int(rng.integers(1, n))
-        factor = float(1.0 + rng.choice([-1, 1]) * rng.uniform(0.02, 0.05))
-        log_x[at:] += np.log(factor)
-        shifts.append((at, factor))
+        drawn.append((at, float(rng.choice([-1, 1]) * rng.uniform(0.02, 0.05))))
+    # Together the shifts stay within +-5%: shifts adding up to 10% would be a
+    # fail-slow by the detector's rule, not a benign shift.
+    shifts, total = [], 0.0
+    for at, change in sorted(drawn):
+        if abs(total + change) > 0.05:
+            change = -change
+        total += change
+        log_x[at:] += np.log(1.0 + change)
+        shifts.append((at, 1.0 + change))
     fail_slows = _place_fail_slows(rng, n, num_fail_slows)
     for fs in fail_slows:
         ramp = np.ones(fs.end - fs.onset)

@@ -12,19 +12,43 @@ How a candidate is decided, online:
 2. The candidate is dropped as soon as BOCD stops believing in it (mass of segments
    started within one before and two after it falls below ``keep_prob``): a lone
    spike is explained away by the next normal iteration.
-3. From ``min_after`` iterations after its start on, the iterations since the start
-   are compared with the median of up to ``before_window`` iterations before it
+3. From ``min_after`` (4) iterations after its start on, the iterations since the
+   start are compared with the median of up to ``before_window`` iterations before it
    (within the current regime; if an earlier candidate of the last ``before_window``
-   iterations was judged and rejected, before that one). If a strict majority of
-   them is >= ``min_change`` slower (or faster), the change point is accepted and
-   reported now (``detected_at``); after ``max_pending`` iterations without that, it
-   is rejected.
+   iterations was judged and rejected, before that one, unless fewer than
+   ``min_before`` iterations precede it). If a strict majority of them is >=
+   ``min_change`` slower (or faster) and the new level is a *sustained new regime*
+   (below), the change point is accepted and reported now (``detected_at``); after
+   ``max_pending`` iterations without that, it is rejected.
 4. A fail-slow that creeps in as a ramp leaves BOCD sure that the regime changed but
    unsure where. While no candidate is pending and BOCD puts ``threshold`` of its mass
    on a start after the regime's, every ``creep_every`` iterations a strict majority
-   of the last ``creep_window`` iterations is compared with the median of the
-   ``before_window`` iterations that ended ``before_window`` iterations ago; the
-   change point is BOCD's most probable start after that reference.
+   of the last ``creep_window`` (7) iterations is compared with the median of the
+   ``before_window`` iterations that ended ``before_window`` iterations ago; if it
+   moved and is a sustained new regime, the change point is BOCD's most probable
+   start after that reference.
+
+A sustained new regime. Training has brief disturbances that are not fail-slows: a
+garbage-collection pause, an evaluation or checkpoint iteration, a data-loader stall,
+a GC pause followed by two slow iterations while the allocator re-warms. They last
+at most 3 iterations and the level then returns. A moved level counts as a new
+regime only if, at the iteration it is accepted:
+
+- it held for ``min_after`` = 4 iterations: a strict majority of the newest 4 moved by
+  ``min_change`` (as of all iterations since the start), and each of the newest
+  ``hold_newest`` = 4 lies nearer the new level than the old one (beyond their
+  geometric mean). A disturbance of 3 iterations fails the 4th; one noisy iteration
+  in 4 is tolerated at the 10% level, so a 1.1x fail-slow is not missed for jitter.
+  So every change is reported 3 iterations after its start at the earliest
+  (``detected_at - index >= 3``), which is when a 3-iteration disturbance and a
+  fail-slow can first be told apart.
+- it is new: fewer than ``max_visited`` (5%) of the old level's reference iterations,
+  or fewer than 4, lie within half of ``min_change`` of it. A series that dwells on
+  one of its modes (a mix of sequence lengths) has visited that level before.
+- the old level is a level: a change less than ``min_before`` = 4 iterations after
+  the regime's start is not reported; the regime starts again at the change
+  (re-baselining). The first, partial iteration of a trace, or a short warm-up, is
+  then never the baseline of a change point.
 
 Where this departs from the paper: medians instead of means (see
 :func:`~greyhound.analytics.changepoint.level_ratio`), and "before" is the regime
@@ -73,25 +97,48 @@ class VerifyConfig:
 
     min_change: float = 0.10
     """Relative level change a change point needs (the paper's 10%)."""
-    min_after: int = 3
-    """Iterations after the start, including it, before a candidate can be accepted."""
+    min_after: int = 4
+    """Iterations of the new level, from the start and including it, before a change
+    can be accepted: a brief disturbance (a GC pause, an evaluation or checkpoint
+    iteration, a data-loader stall, a GC pause with 2 slow iterations after it) lasts
+    at most 3 iterations, so the 4th says whether the level stayed. It is also the
+    earliest a change can be reported: ``detected_at >= index + min_after - 1``."""
+    hold_newest: int = 4
+    """The newest this many iterations (at most ``min_after``) must still lie nearer
+    the new level than the old one (beyond their geometric mean) when a change is
+    accepted: a level that went back is not a new regime, whatever the majority of the
+    iterations since the start says. Two, not one: one normal iteration that jitter
+    lifts half-way would otherwise pass a 3-iteration disturbance."""
+    min_before: int = 4
+    """Iterations the old regime needs before the change for its level to be a
+    baseline. A change after fewer (the first, partial iteration of a trace, a short
+    warm-up) is not reported: the regime starts again at the change (re-baselining)."""
+    max_visited: float = 0.05
+    """A new level must be new: if at least this share of the old level's reference
+    iterations, and at least ``min_after`` of them (more than one brief disturbance
+    explains), lies within half of ``min_change`` of it, the series merely dwells on
+    one of its modes (a mix of sequence lengths), and the change is not accepted."""
     max_pending: int = 12
     """A candidate not accepted within this many iterations of its start is rejected."""
     before_window: int = 50
     """Iterations before the candidate (within the regime) that set the old level."""
     keep_prob: float = 0.5
     """A pending candidate is dropped when BOCD's mass on it falls below this."""
-    creep_window: int = 5
-    creep_every: int = 4
-    """Ramps are looked for every ``creep_every`` iterations."""
+    creep_window: int = 7
     """Ramps: iterations whose level is compared with the level ``before_window``
     iterations earlier while BOCD believes the regime has changed."""
+    creep_every: int = 4
+    """Ramps are looked for every ``creep_every`` iterations."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.min_change < 1.0:
             raise ValueError(f"min_change must be in (0, 1), got {self.min_change!r}")
         if self.min_after < 1:
             raise ValueError(f"min_after must be >= 1, got {self.min_after!r}")
+        if self.hold_newest < 1:
+            raise ValueError(f"hold_newest must be >= 1, got {self.hold_newest!r}")
+        if self.min_before < 1:
+            raise ValueError(f"min_before must be >= 1, got {self.min_before!r}")
         if self.max_pending < self.min_after:
             raise ValueError(
                 f"max_pending must be >= min_after ({self.min_after}), got {self.max_pending!r}"
@@ -102,6 +149,8 @@ class VerifyConfig:
             raise ValueError(f"creep_every must be >= 1, got {self.creep_every!r}")
         if self.creep_window < 1:
             raise ValueError(f"creep_window must be >= 1, got {self.creep_window!r}")
+        if not 0.0 < self.max_visited <= 1.0:
+            raise ValueError(f"max_visited must be in (0, 1], got {self.max_visited!r}")
         if not 0.0 <= self.keep_prob < 1.0:
             raise ValueError(f"keep_prob must be in [0, 1), got {self.keep_prob!r}")
 
@@ -176,6 +225,7 @@ class BocdV:
             min_change=v.min_change, keep_prob=v.keep_prob, min_after=v.min_after,
             max_pending=v.max_pending, before_window=v.before_window,
             creep_window=v.creep_window, creep_every=v.creep_every,
+            hold_newest=v.hold_newest, min_before=v.min_before, max_visited=v.max_visited,
             # A plain function, not a bound method: the kernel is not tracked by the
             # cycle collector, so it must not hold a reference back to self.
             lg_table=functools.partial(_gamma_ratio_table, c.alpha0), exact_math=exact_math,
@@ -303,12 +353,20 @@ class ReferenceBocdV:
         # A level that crept up in steps is compared with the level before the first
         # step still under suspicion, not with the last step.
         reference = start if self._suspicion is None else min(self._suspicion, start)
+        if reference - self._regime_start < v.min_before:
+            # Too few iterations before the suspicion to be a level: the candidate's
+            # own start is the reference.
+            reference = start
         before, after_low, after_high = level_ratio(
             self._values, regime_start=self._regime_start, reference=reference,
             index=start, now=t, before_window=v.before_window,
         )
         after = _moved(before, after_low, after_high, v.min_change)
-        if after is not None:
+        if after is not None and self._holds(t, before, after, start, self._old_level(reference)):
+            if reference - self._regime_start < v.min_before:
+                # The old level rests on too few iterations to be a baseline.
+                self._rebaseline(start)
+                return None
             return self._accept(start, t, before, after)
         if self._suspicion is None:
             self._suspicion = start
@@ -335,20 +393,60 @@ class ReferenceBocdV:
         start = post.most_likely_start_since(max(self._regime_start + 1, reference_end))
         if start is None or t - start + 1 < v.min_after:
             return None
-        before = float(np.median(self._values.window(
+        old = self._values.window(
             max(self._regime_start, reference_end - v.before_window), reference_end
-        )))
+        )
+        before = float(np.median(old))
         m = len(recent)
         after = _moved(before, float(recent[(m - 1) // 2]), float(recent[m // 2]), v.min_change)
-        if after is None:
+        if after is None or not self._holds(t, before, after, start, old):
             return None
         return self._accept(start, t, before, after)
 
+    def _old_level(self, reference: int) -> np.ndarray:
+        """The iterations ``level_ratio`` takes the old level from."""
+        v = self.verify
+        old = self._values.window(max(self._regime_start, reference - v.before_window), reference)
+        return old if len(old) else self._values.window(reference - 1, reference)
+
+    def _holds(
+        self, t: int, before: float, after: float, start: int, old: np.ndarray
+    ) -> bool:
+        """Whether a moved level is a new regime (the level test passed).
+
+        A strict majority of the newest ``min_after`` iterations (none before
+        ``start``) must have moved by ``min_change`` too, not only of those since
+        ``start`` (a disturbance late in a long pending window, on top of a small
+        benign shift, would otherwise carry the majority); the newest ``hold_newest`` iterations (at most ``min_after``, none before
+        ``start``) must each lie nearer the new level than the old one, beyond their
+        geometric mean sqrt(before * after) (the level still holds), and fewer than
+        ``min_after`` or fewer than ``max_visited`` of the old level's iterations
+        ``old`` within half of
+        ``min_change`` of ``after`` (the level is new)."""
+        v = self.verify
+        half = 0.5 * v.min_change
+        recent = np.sort(self._values.window(t - min(v.min_after, t - start + 1) + 1, t + 1))
+        low, high = float(recent[(len(recent) - 1) // 2]), float(recent[len(recent) // 2])
+        count = min(v.hold_newest, v.min_after, t - start + 1)
+        newest = self._values.window(t - count + 1, t + 1)
+        middle = math.sqrt(before * after)
+        if after > before:
+            if low < before * (1.0 + v.min_change) or not np.all(newest >= middle):
+                return False
+        elif high > before * (1.0 - v.min_change) or not np.all(newest <= middle):
+            return False
+        visited = np.count_nonzero((old >= after / (1.0 + half)) & (old <= after * (1.0 + half)))
+        return visited < v.min_after or visited < v.max_visited * len(old)
+
     def _accept(self, start: int, t: int, before: float, after: float) -> ChangePoint:
+        self._rebaseline(start)
+        return ChangePoint(index=start, detected_at=t, before=before, after=after)
+
+    def _rebaseline(self, start: int) -> None:
+        """A new regime from ``start`` on."""
         self._pending = self._suspicion = None
         self._regime_start = start
         self._last_candidate = max(start, self._last_candidate)
-        return ChangePoint(index=start, detected_at=t, before=before, after=after)
 
 
 def _moved(before: float, after_low: float, after_high: float, min_change: float) -> float | None:
