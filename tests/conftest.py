@@ -32,9 +32,15 @@ def _cluster_reason() -> str | None:
 
 @pytest.fixture(scope="session")
 def cluster() -> None:
-    """Skips a test unless the local Slurm cluster (scripts/cluster up) answers."""
-    reason = _cluster_reason()
+    """Skips a test unless the local Slurm cluster (scripts/cluster up) answers; under CI
+    (CI=true, where .ci/run has started the cluster) a missing cluster is a failure.
+    Nodes still completing or planned for another job are waited for, not skipped."""
+    deadline = time.monotonic() + 90
+    while (reason := _cluster_reason()) and "no usable node" in reason and time.monotonic() < deadline:
+        time.sleep(2)
     if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI: {reason}", pytrace=False)
         pytest.skip(reason)
 
 
