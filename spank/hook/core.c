@@ -248,6 +248,17 @@ static void atfork_child(void)
 	set_state(GH_UNINIT);
 }
 
+/*
+ * The control plane's own processes (the SPANK plugin sets GREYHOUND_CONTROL_PLANE=1
+ * in their environment): no ring, every call passes through.
+ */
+static int in_control_plane(void)
+{
+	const char *v = getenv("GREYHOUND_CONTROL_PLANE");
+
+	return v && strcmp(v, "1") == 0;
+}
+
 static int open_ring(void)
 {
 	const char *dir = getenv("GREYHOUND_RUN_DIR");
@@ -262,6 +273,8 @@ static int open_ring(void)
 	int fd = -1, rv = -1, created = 0;
 
 	path[0] = '\0';
+	if (in_control_plane())
+		goto fail;
 	if (!dir || !*dir) {
 		gh_log_once(GH_P_NO_RUN_DIR, "GREYHOUND_RUN_DIR is not set; recording off");
 		goto fail;
