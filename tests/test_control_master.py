@@ -50,7 +50,7 @@ def test_healthy_job_stays_tracking_with_no_event(job):
 def test_a_slow_job_is_profiled_and_the_late_rank_named(job):
     run_dir, client = job
     verdicts = []
-    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_polls=2),
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_polls=2), validate=False,
                     on_verdict=verdicts.append)
     publish(client, slow_ranks=range(8), late_rank=5)
     master.step()
@@ -84,3 +84,54 @@ def test_one_slow_rank_of_eight_is_not_a_slow_job(job):
     publish(client, slow_ranks=[3])
     master.step()
     assert master.state == "tracking" and read_events(run_dir) == []
+
+
+def _profiled(job, **kw):
+    run_dir, client = job
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_polls=1), **kw)
+    publish(client, slow_ranks=range(8), late_rank=5)
+    master.step()          # detected -> profiling
+    master.step()          # suspects settled -> validating, a request
+    return master
+
+
+def test_validation_is_requested_once_with_the_suspects_references_and_link_passes(job):
+    master = _profiled(job)
+    assert master.state == "validating"
+    request = master.take_request()
+    assert master.take_request() is None
+    assert request["gemm_suspects"] == [5] and request["gemm_references"] == [0, 7]
+    # DP groups (r, r + 4) join n1-n3 and n2-n4: one pass of two disjoint links.
+    assert request["passes"] == [[("n1", "n3"), ("n2", "n4")]]
+
+
+def test_a_confirmed_suspect_is_the_validated_verdict(job):
+    run_dir, client = job
+    master = _profiled(job)
+    master.take_request()
+    master.complete_validation({"paused": True, "pause_s": 1.25, "park_s": 0.4, "gemm": {"n": 512},
+                                "bandwidth_Bps": {}, "slow_links": [],
+                                "results": [{"key": "compute:5", "rank": 5, "ratio": 3.1, "confirmed": True}]})
+    verdict = store._decode(client.lrange(store.VERDICTS, 0, -1)[0])
+    assert (verdict["kind"], verdict["ranks"], verdict["validated"]) == ("compute", [5], True)
+    assert verdict["measured"]["ratio"] == 3.1
+    assert client.hget(store.PAUSES, "count") == "1" and float(client.hget(store.PAUSES, "total_s")) == 1.25
+    assert [e["kind"] for e in read_events(run_dir)] == ["detected", "suspects", "paused", "validated", "verdict"]
+    assert master.state == "tracking"
+
+
+def test_a_slow_link_found_by_the_p2p_tests_names_its_node(job):
+    master = _profiled(job)
+    master.take_request()
+    slow = [{"link": "n3-n4", "node": "n4", "ratio": 0.05, "bandwidth_Bps": 2e7}]
+    master.complete_validation({"paused": True, "pause_s": 1.0, "park_s": 0.3, "slow_links": slow,
+                                "results": [{"key": "compute:5", "confirmed": False}]})
+    assert master.episode.verdict["kind"] == "link" and master.episode.verdict["where"] == "n4"
+
+
+def test_a_failed_pause_gives_an_unvalidated_verdict(job):
+    master = _profiled(job)
+    master.take_request()
+    master.complete_validation({"paused": False, "why": "not every rank reached the pause iteration in time"})
+    v = master.episode.verdict
+    assert v["validated"] is False and v["kind"] == "compute" and v["why"].endswith("not validated")

@@ -7,9 +7,10 @@
 
 Each decision is an event in the job's event log and the state is on the job's Redis,
 where `greyhound status` reads it. Validation (a consistent pause at the hook's gate,
-a GEMM in the suspect's own process, P2P tests between the nodes) is done by a
-``validator`` with ``validate(suspects) -> list[dict]`` (measurements and, per suspect,
-``confirmed``); without one, a verdict rests on profiling alone and says so. A planner
+a GEMM in the suspects' own processes, P2P tests between the nodes) needs every agent:
+the master only asks for it (:meth:`Master.take_request`), the plane runs the round on
+all nodes (pause.py) and hands the outcome back (:meth:`Master.complete_validation`).
+With ``validate=False`` a verdict rests on profiling alone and says so. A planner
 (mitigation) can subscribe to verdicts through ``on_verdict``.
 """
 
@@ -25,7 +26,9 @@ import numpy as np
 
 from greyhound.control import store
 from greyhound.control.events import append_event
+from greyhound.control.links import job_links, link_passes
 from greyhound.control.profile import Suspect, find_suspects
+from greyhound.control.validate import reference_ranks
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ class _Episode:
     slowdown: float
     detected_s: float
     votes: Counter = dataclasses.field(default_factory=Counter)
+    settled: list = dataclasses.field(default_factory=list)
     suspects: dict = dataclasses.field(default_factory=dict)
     polls: int = 0
     verdict: dict | None = None
@@ -58,12 +62,14 @@ class _Episode:
 
 class Master:
     def __init__(self, run_dir: str | Path, client, *, nodes: list[str], config: MasterConfig | None = None,
-                 validator=None, on_verdict=None) -> None:
+                 validate: bool = True, poll_s: float = 0.5, on_verdict=None) -> None:
         self.run_dir = Path(run_dir)
         self.client = client
         self.nodes = nodes
         self.config = config or MasterConfig()
-        self.validator = validator
+        self.validate = validate
+        self.poll_s = poll_s
+        self.request: dict | None = None
         self.on_verdict = on_verdict
         self.state = "tracking"
         self.episode: _Episode | None = None
@@ -123,12 +129,46 @@ class Master:
         if ep.polls < self.config.profile_polls:
             return
         settled = [ep.suspects[k] for k, n in ep.votes.most_common() if n * 2 > ep.polls]
+        ep.settled = settled
         self._event("suspects", suspects=[s.as_dict() for s in settled], polls=ep.polls)
         self._set("validating")
-        results = self.validator.validate(settled) if (self.validator and settled) else None
-        if results is not None:
-            self._event("validated", results=results)
-        ep.verdict = _verdict(settled, results, ep)
+        if not self.validate:
+            self.complete_validation(None)
+            return
+        compute = [s.ranks[0] for s in settled if s.kind == "compute"]
+        groups = {}
+        for rank, comms in store.read_comm_stats(self.client, ranks).items():
+            for comm in comms:
+                groups.setdefault(comm, []).append(rank)
+        node_of = {r: s.get("node", "?") for r, s in ranks.items()}
+        links = job_links([[node_of[r] for r in sorted(members)] for members in groups.values()])
+        self.request = {
+            "suspects": [s.as_dict() for s in settled], "gemm_suspects": compute,
+            "gemm_references": reference_ranks(compute, sorted(ranks)) if compute else [],
+            "link_suspects": [list(s.nodes) for s in settled if s.kind == "link"],
+            "passes": link_passes(links), "poll_s": self.poll_s,
+        }
+
+    def take_request(self) -> dict | None:
+        """The validation round the master wants now (every agent takes part), once."""
+        request, self.request = self.request, None
+        return request
+
+    def complete_validation(self, outcome: dict | None) -> None:
+        """The round's outcome (None: no validation) -> the verdict, back to tracking."""
+        ep = self.episode
+        if ep is None:
+            return
+        results = None
+        if outcome is not None:
+            if outcome.get("paused"):
+                self.client.hincrby(store.PAUSES, "count", 1)
+                self.client.hincrbyfloat(store.PAUSES, "total_s", outcome["pause_s"])
+                self.client.hset(store.PAUSES, "last_s", outcome["pause_s"])
+                self._event("paused", seconds=outcome["pause_s"], park_s=outcome["park_s"])
+                results = outcome["results"]
+            self._event("validated", **{k: v for k, v in outcome.items() if k != "results"}, results=results)
+        ep.verdict = _verdict(ep.settled, results, ep, outcome)
         self.client.rpush(store.VERDICTS, store.dumps(ep.verdict))
         self._event("verdict", verdict=ep.verdict)
         if self.on_verdict:
@@ -136,19 +176,32 @@ class Master:
         self._set("tracking")
 
 
-def _verdict(suspects: list[Suspect], results: list[dict] | None, ep: _Episode) -> dict:
-    confirmed = suspects
+def _verdict(suspects: list[Suspect], results: list[dict] | None, ep: _Episode, outcome: dict | None) -> dict:
+    """The fail-slow named: a confirmed suspect first; else a slow link the P2P tests
+    found on their own; else the best unconfirmed suspect, marked as such."""
+    base = {"severity": round(ep.slowdown, 3), "since": ep.onset, "validated": results is not None,
+            "detected_at": round(ep.detected_s, 3)}
     if results is not None:
         ok = {r["key"] for r in results if r.get("confirmed")}
         confirmed = [s for s in suspects if _key(s) in ok]
-    base = {"severity": round(ep.slowdown, 3), "since": ep.onset, "validated": results is not None,
-            "detected_at": round(ep.detected_s, 3)}
-    if not confirmed:
-        return {"kind": "unknown", "where": "-", "ranks": [], "nodes": [], **base,
-                "why": "no suspect stood out" if not suspects else "validation confirmed no suspect"}
-    top = confirmed[0]
-    return {"kind": top.kind, "where": top.as_dict()["where"], "ranks": list(top.ranks),
-            "nodes": list(top.nodes), "why": top.why, **base}
+        if confirmed:
+            top = confirmed[0]
+            measured = next(r for r in results if r["key"] == _key(top))
+            return {"kind": top.kind, "where": top.as_dict()["where"], "ranks": list(top.ranks),
+                    "nodes": list(top.nodes), "why": top.why, "measured": measured, **base}
+        slow = (outcome or {}).get("slow_links") or []
+        if slow:
+            node = slow[0]["node"]
+            return {"kind": "link", "where": node or slow[0]["link"], "ranks": [],
+                    "nodes": [node] if node else slow[0]["link"].split("-"),
+                    "why": f"P2P: {slow[0]['link']} at {slow[0]['ratio']:.0%} of the median bandwidth",
+                    "measured": slow, **base}
+    if not suspects:
+        return {"kind": "unknown", "where": "-", "ranks": [], "nodes": [], "why": "no suspect stood out", **base}
+    top = suspects[0]
+    why = top.why + ("; validation did not confirm it" if results is not None else "; not validated")
+    return {"kind": top.kind if results is None else "unknown", "where": top.as_dict()["where"],
+            "ranks": list(top.ranks), "nodes": list(top.nodes), "why": why, **base}
 
 
 def _key(s: Suspect) -> str:
