@@ -217,10 +217,18 @@ class RingReader:
                             f"{int(h['comm_bytes'])}; expected {RECORD_DTYPE.itemsize}/"
                             f"{COMM_DTYPE.itemsize}")
         cap = int(h["capacity"])
-        end = int(h["records_offset"]) + cap * RECORD_DTYPE.itemsize
-        if cap <= 0 or cap & (cap - 1) or end > size:
-            raise RingError(f"ring: {self.path} claims {cap} records, which do not fit "
-                            f"its {size} bytes")
+        records_offset = int(h["records_offset"])
+        end = records_offset + cap * RECORD_DTYPE.itemsize
+        if (cap <= 0 or cap & (cap - 1) or records_offset < HEADER_BYTES
+                or records_offset % 8 or end > size):
+            raise RingError(f"ring: {self.path} claims {cap} records at offset "
+                            f"{records_offset}, which do not fit its {size} bytes")
+        comms_offset, comm_capacity = int(h["comms_offset"]), int(h["comm_capacity"])
+        comms_end = comms_offset + comm_capacity * COMM_DTYPE.itemsize
+        if (comms_offset < HEADER_BYTES or comms_offset % 8
+                or comms_end > size):
+            raise RingError(f"ring: {self.path} claims {comm_capacity} communicators at "
+                            f"offset {comms_offset}, which do not fit its {size} bytes")
 
     # ---- records ----------------------------------------------------------------
 

@@ -108,6 +108,28 @@ def test_reader_rejects_what_is_not_a_ring(tmp_path):
         RingReader(path)
 
 
+@pytest.mark.parametrize(("field", "value", "what"), [
+    ("comm_capacity", 1 << 31, "communicators"),
+    ("comm_capacity", 0xFFFFFFFF, "communicators"),
+    ("comms_offset", 1 << 40, "communicators"),
+    ("comms_offset", (1 << 64) - 8, "communicators"),
+    ("comms_offset", 0, "communicators"),           # on top of the header
+    ("comms_offset", HEADER_BYTES + 4, "communicators"),   # misaligned
+    ("records_offset", (1 << 64) - 64, "records"),
+    ("records_offset", 64, "records"),
+])
+def test_reader_rejects_a_scribbled_layout_with_a_ring_error(tmp_path, field, value, what):
+    # Any process of the user can write into the header; a reader opening the ring
+    # then gets a RingError naming the layout, not numpy's TypeError/ValueError.
+    path = tmp_path / "ring.0"
+    write_fake_ring(path)
+    with open(path, "r+b") as f:
+        f.seek(HEADER_DTYPE.fields[field][1])
+        f.write(value.to_bytes(HEADER_DTYPE.fields[field][0].itemsize, "little"))
+    with pytest.raises(RingError, match=f"{what} at offset .* do not fit its"):
+        RingReader(path, publish=False)
+
+
 def test_ring_paths_orders_by_rank(tmp_path):
     for name in ["ring.10", "ring.2", "ring.pid77", "ring.2.4242", "other"]:
         (tmp_path / name).write_text("")
