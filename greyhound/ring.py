@@ -12,7 +12,8 @@ tests/test_hook_layout.py checks every offset against the compiled header.
 :class:`RingReader` tails a ring incrementally: each :meth:`RingReader.read` returns
 the records committed since the last call, as a copy, and publishes how far it read
 so that the hook counts as ``drops`` only records overwritten before anyone read them.
-It also drives the ring's pause gate (:meth:`RingReader.pause`, :meth:`RingReader.resume`).
+It also drives the ring's pause gate (:meth:`RingReader.pause`, at the next call or
+before a given call number, :meth:`RingReader.resume`).
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from greyhound.errors import GreyhoundError
+from greyhound.errors import GreyhoundError, InputError
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"GHRING1\x00"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 512
 
 # enum gh_op, in order; names as in the What-if study where it has them.
@@ -84,16 +85,34 @@ HEADER_DTYPE = np.dtype({
     "names": ["magic", "version", "header_bytes", "record_bytes", "capacity",
               "records_offset", "comms_offset", "comm_bytes", "comm_capacity", "rank",
               "pid", "t0_monotonic_ns", "t0_realtime_ns", "pause_timeout_ns",
-              "hook_flags", "job_id", "hostname", "head", "reader_pos", "drops",
+              "hook_flags", "job_id", "hostname", "head", "calls", "reader_pos", "drops",
               "gate_waits", "gate_timeouts", "parked_since_ns", "gate", "parked",
-              "num_comms", "comm_overflow", "events_skipped"],
+              "num_comms", "comm_overflow", "events_skipped", "gate_at_call",
+              "parked_at_call", "bench_ns", "bench_cpu_ns", "bench_n", "bench_request",
+              "bench_done", "bench_status", "node"],
     "formats": ["S8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8", "<u4", "<u4", "<i4",
-                "<i4", "<u8", "<u8", "<u8", "<u4", "S32", "S64", "<u8", "<u8", "<u8",
-                "<u8", "<u8", "<u8", "<u4", "<u4", "<u4", "<u4", "<u8"],
+                "<i4", "<u8", "<u8", "<u8", "<u4", "S32", "S64", "<u8", "<u8", "<u8", "<u8",
+                "<u8", "<u8", "<u8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8",
+                "<u8", "<u8", "<u8", "<u4", "<u4",
+                "<u4", "<u4", "S64"],
     "offsets": [0, 8, 12, 16, 20, 24, 32, 40, 44, 48, 52, 56, 64, 72, 80, 88, 120,
-                192, 256, 320, 328, 336, 344, 352, 356, 360, 364, 368],
+                192, 200, 256, 320, 328, 336, 344, 352, 356, 360, 364, 368, 376,
+                384, 392, 400, 408, 412, 416, 420, 448],
     "itemsize": HEADER_BYTES,
 })
+
+# enum gh_bench_status: how the hook answered a benchmark request.
+BENCH_NONE, BENCH_OK, BENCH_TIMEOUT, BENCH_RESUMED, BENCH_BAD_SIZE, BENCH_NO_MEMORY, \
+    BENCH_NOT_PARKED = range(7)
+BENCH_STATUS_NAMES = {
+    BENCH_NONE: "not answered", BENCH_OK: "ok",
+    BENCH_TIMEOUT: "stopped at the pause timeout",
+    BENCH_RESUMED: "stopped: the rank was resumed",
+    BENCH_BAD_SIZE: "matrix size out of range",
+    BENCH_NO_MEMORY: "the rank could not map the matrices",
+    BENCH_NOT_PARKED: "the rank left the gate before it ran",
+}
+BENCH_MIN_N, BENCH_MAX_N = 16, 4096   # GH_BENCH_MIN_N, GH_BENCH_MAX_N
 
 
 class RingError(GreyhoundError):
@@ -114,6 +133,9 @@ class RingInfo:
     """GREYHOUND_JOB_ID of the writer ('' if unset)."""
     hostname: str
     """Host the writer ran on."""
+    node: str
+    """Slurm node the writer ran on (SLURMD_NODENAME, else the hostname): several
+    emulated nodes (``slurmd -N``) may share one host."""
     capacity: int
     """Records the ring holds before it overwrites the oldest."""
     t0_monotonic_ns: int
@@ -189,6 +211,7 @@ class RingReader:
             path=self.path, rank=int(h["rank"]), pid=int(h["pid"]),
             job_id=h["job_id"].item().decode(errors="replace"),
             hostname=h["hostname"].item().decode(errors="replace"),
+            node=h["node"].item().decode(errors="replace"),
             capacity=int(h["capacity"]), t0_monotonic_ns=int(h["t0_monotonic_ns"]),
             t0_realtime_ns=int(h["t0_realtime_ns"]),
             pause_timeout_s=int(h["pause_timeout_ns"]) / 1e9,
@@ -248,14 +271,23 @@ class RingReader:
         return "tsc" if int(self._hdr["hook_flags"]) & HOOK_TSC else "monotonic"
 
     @property
+    def calls(self) -> int:
+        """Communication calls (ops of :data:`CALL_OPS`) the rank has begun: numbered
+        1, 2, ... as they reach the hook, the one held at the gate included. A rank
+        that makes one call at a time writes each call's record before its next call
+        begins, so its k-th call record in this ring is call number k."""
+        return int(self._hdr["calls"])
+
+    @property
     def position(self) -> int:
         """Index of the next record this reader will return."""
         return self._pos
 
     def counters(self) -> dict[str, int]:
-        """The hook's counters: drops, gate waits and timeouts, events skipped."""
+        """The hook's counters: records, calls, drops, gate waits and timeouts, events
+        skipped."""
         h = self._hdr
-        return {k: int(h[k]) for k in ("head", "drops", "gate_waits", "gate_timeouts",
+        return {k: int(h[k]) for k in ("head", "calls", "drops", "gate_waits", "gate_timeouts",
                                         "parked", "comm_overflow", "events_skipped")}
 
     def read(self, max_records: int | None = None) -> Batch:
@@ -314,11 +346,32 @@ class RingReader:
 
     # ---- pause gate -----------------------------------------------------------
 
-    def pause(self) -> int:
-        """Sets the gate: the rank's next intercepted call waits. Returns the epoch."""
+    def pause(self, at_call: int | None = None) -> int:
+        """Sets the gate; returns its epoch.
+
+        Args:
+            at_call: None holds the rank's next intercepted call, whatever it is
+                (a Wait too). A number holds it before the first communication call
+                numbered ``>= at_call`` (see :attr:`calls`): earlier calls, and calls
+                that are not communication calls, go on. For a consistent pause of a
+                job, give every rank the number of the first call of the same future
+                iteration: each then parks where no peer owes it anything, whereas
+                "the next call" can leave a rank blocked inside a receive from a
+                parked peer, out of the gate's reach. A number the rank has already
+                passed holds its next communication call.
+
+        A held rank goes on at :meth:`resume`, or by itself once the ring's pause
+        timeout (``info.pause_timeout_s``) has passed since it parked.
+        """
         if not self._publish:
             raise RingError(f"ring: {self.path} was opened read-only; it cannot be paused")
+        if at_call is not None and (isinstance(at_call, bool) or not isinstance(at_call, int)
+                                    or not 1 <= at_call < 1 << 63):
+            raise InputError(f"ring: pause at_call={at_call!r} is not a call number; "
+                             "allowed: None or an int >= 1")
         self._epoch = (max(self._epoch, int(self._hdr["gate"])) % 0xFFFFFFFE) + 1
+        # gate_at_call before gate: the hook reads it after it sees the epoch.
+        self._hdr["gate_at_call"] = at_call or 0
         self._hdr["gate"] = self._epoch
         return self._epoch
 
@@ -332,6 +385,17 @@ class RingReader:
     def parked(self) -> int:
         """Threads of the rank held at the gate right now."""
         return int(self._hdr["parked"])
+
+    @property
+    def parked_at_call(self) -> int | None:
+        """The number of the communication call the rank is held before (see
+        :attr:`calls`); 0 when it is held at a call that is not one (a pause of the
+        next call, see :meth:`pause`); None when no thread is held."""
+        if not int(self._hdr["parked"]):
+            return None
+        at = int(self._hdr["parked_at_call"])
+        # The hook stores it just after it counts the thread in: read again once.
+        return at if int(self._hdr["parked"]) else None
 
     def close(self) -> None:
         """Releases the mapping (arrays returned by read stay valid: they are copies)."""

@@ -110,8 +110,9 @@ def base_env(run_dir: Path | None, hook: Path | None = None, **extra: str) -> di
     return env
 
 
-def mpirun(np_: int, args: list[str], env: dict[str, str], timeout: float = 60):
-    """Runs args on np_ ranks, forwarding the greyhound and preload variables."""
+def mpirun_cmd(np_: int, args: list[str], env: dict[str, str]) -> list[str]:
+    """The mpirun command line for args on np_ ranks, forwarding the greyhound and
+    preload variables."""
     if shutil.which("mpirun") is None:
         pytest.skip("mpirun (Open MPI) is not installed")
     fwd = []
@@ -119,17 +120,42 @@ def mpirun(np_: int, args: list[str], env: dict[str, str], timeout: float = 60):
         if k.startswith("GREYHOUND_") or k in ("LD_PRELOAD", "PYTHONPATH", "ASAN_OPTIONS",
                                                 "UBSAN_OPTIONS"):
             fwd += ["-x", k]
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_),
-           "--mca", "btl", "self,tcp", *fwd, *args]
     # `-x LD_PRELOAD` takes the value from mpirun's own environment, so mpirun runs
     # with the hook too; it never calls MPI_* itself (the tests see no extra ring).
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_),
+            "--mca", "btl", "self,tcp", *fwd, *args]
+
+
+def mpirun(np_: int, args: list[str], env: dict[str, str], timeout: float = 60):
+    """Runs args on np_ ranks, forwarding the greyhound and preload variables."""
+    return subprocess.run(mpirun_cmd(np_, args, env), env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
 
 
 def run(args: list[str], env: dict[str, str], timeout: float = 60, **kw):
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout,
                           check=False, **kw)
+
+
+def ready_rings(run_dir: Path, count: int, timeout: float = 60.0) -> list[Path]:
+    """The first count rings in run_dir once a reader can open each of them."""
+    import time
+
+    from greyhound.ring import RingError, RingReader, ring_paths
+
+    end = time.monotonic() + timeout
+    while True:
+        paths = ring_paths(run_dir)[:count]
+        if len(paths) == count:
+            try:
+                for path in paths:
+                    RingReader(path, publish=False).close()
+                return paths
+            except RingError:
+                pass
+        if time.monotonic() > end:
+            raise AssertionError(f"not {count} ready rings in {run_dir} after {timeout} s")
+        time.sleep(0.005)
 
 
 def ready_ring(run_dir: Path, timeout: float = 60.0) -> Path:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from greyhound.capture._greyhound_capture import FNV_OFFSET, fnv1a_i32
-from greyhound.ring import OP, RingReader, op_names
+from greyhound.ring import OP, RingReader, call_records, op_names
 from hook_support import PYTHON, ROOT, base_env, hook_lib, run, run_torch_pair
 
 torch = pytest.importorskip("torch")
@@ -118,6 +118,22 @@ def test_one_record_per_bucket_per_step(runs, rank):
         buckets = [int(r["size_bytes"]) for r in steps[model][0]
                    if r["op"] == OP["AllReduce"] and int(r["size_bytes"]) in sizes]
         assert sorted(buckets) == sorted(info["bucket_sizes"] + 2 * info["rebuilt_bucket_sizes"])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_calls_counter_numbers_every_call_record(runs, rank):
+    # A bucket's AllReduce is numbered when it is issued (the gate can hold it there)
+    # and recorded when it completes: one number per record all the same, except
+    # where "norecord" makes writing the record fail after the number was taken.
+    run_dir, captured, _, _, _ = runs
+    # Its 2 steps: the first buckets, then the rebuilt ones (as the default model's:
+    # DDP does not log them for this model).
+    unrecorded = (len(captured[rank]["norecord"]["bucket_sizes"])
+                  + len(captured[rank]["default"]["rebuilt_bucket_sizes"]))
+    with RingReader(run_dir / f"ring.{rank}", publish=False) as ring:
+        recs = ring.read().records
+        assert ring.calls == len(call_records(recs)) + unrecorded
+    assert unrecorded == 3
 
 
 def test_ddp_untouched_without_greyhound(tmp_path):

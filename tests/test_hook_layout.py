@@ -23,7 +23,8 @@ def c_layout() -> dict[str, str]:
             lines.append(f'printf("{struct} {name} %zu %zu\\n", offsetof(struct {struct}, {name}), '
                          f'sizeof(((struct {struct} *)0)->{name}));')
     header = (HOOK_DIR / "gh_ring.h").read_text()
-    consts = re.findall(r"\b(GH_OP_[A-Z_]+|GH_F_[A-Z_]+|GH_HOOK_[A-Z_]+|GH_SRC_[A-Z]+)\b", header)
+    consts = re.findall(r"\b(GH_OP_[A-Z_]+|GH_F_[A-Z_]+|GH_HOOK_[A-Z_]+|GH_SRC_[A-Z]+|"
+                        r"GH_BENCH_[A-Z_]+|GH_RING_VERSION)\b", header)
     for c in sorted(set(consts)):
         lines.append(f'printf("const {c} %llu\\n", (unsigned long long){c});')
     lines.append('printf("fnv %llu\\n", (unsigned long long)gh_fnv1a_i32(gh_fnv1a_i32('
@@ -77,6 +78,15 @@ def test_op_codes_and_flags(c_layout):
         assert getattr(capture, f"OP_{name}") == ops[name]
     assert (capture.F_ASYNC, capture.F_GROUPED, capture.F_ERROR) == (
         ring.F_ASYNC, ring.F_GROUPED, ring.F_ERROR)
+
+
+def test_version_and_benchmark_constants(c_layout):
+    consts = {k.split()[1]: int(v) for k, v in c_layout.items() if k.startswith("const ")}
+    assert consts["GH_RING_VERSION"] == ring.VERSION
+    bench = {k[len("GH_BENCH_"):]: v for k, v in consts.items() if k.startswith("GH_BENCH_")}
+    assert (bench.pop("MIN_N"), bench.pop("MAX_N")) == (ring.BENCH_MIN_N, ring.BENCH_MAX_N)
+    assert bench == {name: getattr(ring, f"BENCH_{name}") for name in bench}
+    assert set(bench.values()) == set(ring.BENCH_STATUS_NAMES)
 
 
 def test_fnv_matches_the_c_hook(c_layout):

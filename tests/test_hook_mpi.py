@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from greyhound.capture._greyhound_capture import FNV_OFFSET, fnv1a_i32
-from greyhound.ring import (F_ASYNC, F_LOCAL_COMM, OP, RingReader, op_names,
+from greyhound.ring import (F_ASYNC, F_LOCAL_COMM, OP, RingReader, call_records, op_names,
                             ring_paths)
 from hook_support import PYTHON, ROOT, base_env, hook_lib, mpirun
 
@@ -51,6 +51,17 @@ def test_one_ring_per_rank_named_by_rank(two_ranks):
         assert p.stat().st_mode & 0o777 == 0o600
         with RingReader(p, publish=False) as r:
             assert r.info.rank == int(p.name.split(".")[1])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_calls_counter_numbers_every_call_record(two_ranks, rank):
+    # Every MPI call the hook records as a communication call (collectives, p2p,
+    # Isend/Irecv) was numbered for the pause gate, and nothing else was.
+    run_dir, _, _ = two_ranks
+    with RingReader(run_dir / f"ring.{rank}", publish=False) as ring:
+        recs = ring.read().records
+        assert ring.calls == len(call_records(recs)) > 0
+    assert np.count_nonzero(recs["op"] == OP["Wait"]) > 0      # not numbered
 
 
 # (op, bytes for 2 ranks, peer for rank 0, peer for rank 1, comm) in program order

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from greyhound.capture._greyhound_capture import FNV_OFFSET, FNV_PRIME, fnv1a_i32
-from greyhound.ring import (F_ASYNC, F_DEVICE_TIMED, F_GROUPED, OP, RingReader, op_names,
-                            ring_paths)
+from greyhound.ring import (F_ASYNC, F_DEVICE_TIMED, F_GROUPED, OP, RingReader, call_records,
+                            op_names, ring_paths)
 from hook_support import base_env, hook_lib, nccl_prog, run
 
 MASK = (1 << 64) - 1
@@ -53,6 +53,12 @@ def test_nccl_calls_recorded_in_order_with_bytes_and_comm(tmp_path):
     table = {int(c["comm_id"]): (int(c["parent_id"]), int(c["size"]), int(c["color"]), int(c["state"]))
              for c in comms}
     assert table == {world: (0, 1, -1, 2), split: (world, 1, 7, 2)}
+
+
+def test_calls_counter_numbers_every_call_record(tmp_path):
+    # The pause gate's call numbers (gh_gate_call in op_begin): one per call record.
+    _, recs, _, counters = run_prog(tmp_path, tmp_path / "run", iterations=3)
+    assert counters["calls"] == len(call_records(recs)) == 8 * 3 + 1
 
 
 def test_same_unique_id_same_comm_id_in_two_processes(tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from greyhound.ring import (HEADER_BYTES, HEADER_DTYPE, MAGIC, OP, RECORD_DTYPE, COMM_DTYPE,
-                            RingError, RingReader, ring_paths)
+                            VERSION, RingError, RingReader, ring_paths)
 from hook_support import PYTHON, ROOT, base_env, hook_lib, run
 
 LOOP = str(ROOT / "tests" / "hook_progs" / "mpi_loop.py")
@@ -58,7 +58,7 @@ def write_fake_ring(path, capacity=8, head=0):
     data = np.zeros(records_offset + capacity * RECORD_DTYPE.itemsize, dtype=np.uint8)
     hdr = np.ndarray((), dtype=HEADER_DTYPE, buffer=data)
     hdr["magic"] = MAGIC
-    hdr["version"], hdr["header_bytes"], hdr["record_bytes"] = 1, HEADER_BYTES, 64
+    hdr["version"], hdr["header_bytes"], hdr["record_bytes"] = VERSION, HEADER_BYTES, 64
     hdr["comm_bytes"], hdr["comm_capacity"] = COMM_DTYPE.itemsize, 256
     hdr["capacity"], hdr["records_offset"], hdr["comms_offset"] = capacity, records_offset, HEADER_BYTES
     hdr["head"] = head

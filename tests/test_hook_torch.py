@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from greyhound.capture._greyhound_capture import FNV_OFFSET, fnv1a_i32
-from greyhound.ring import F_ASYNC, F_ERROR, F_GROUPED, OP, RingReader, op_names, ring_paths
+from greyhound.ring import (F_ASYNC, F_ERROR, F_GROUPED, OP, RingReader, call_records, op_names,
+                            ring_paths)
 from hook_support import PYTHON, ROOT, base_env, free_port, hook_lib, run, run_torch_pair
 
 torch = pytest.importorskip("torch")
@@ -74,6 +75,16 @@ def test_every_call_recorded(pair, rank):
     assert sorted(recs["req_id"][11:13].tolist()) == sorted(recs["req_id"][8:10].tolist())
     assert {(int(c["comm_id"]), int(c["size"]), int(c["rank"])) for c in comms} == {
         (world, 2, rank), (pair_id, 2, rank)}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_calls_counter_numbers_every_call_record(pair, rank):
+    # The capture numbers its calls as the C hook does (gh_py_begin_call, a batch
+    # gh_py_begin_calls(n), the C fast path too): one number per call record, none
+    # for Waits, Groups or communicator records.
+    with RingReader(pair[0] / f"ring.{rank}", publish=False) as ring:
+        recs = ring.read().records
+        assert ring.calls == len(call_records(recs)) == 11
 
 
 def test_no_greyhound_environment_is_a_no_op(tmp_path):

@@ -145,7 +145,11 @@ def _load_fastpath(lib):
                 return None
             fastpath = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(fastpath)
-        fastpath.bind(ctypes.cast(lib.gh_py_begin, ctypes.c_void_p).value,
+        # Every call the fast path records is a communication call: it begins with
+        # gh_py_begin_call, which numbers it for the pause gate (a hook from before
+        # call numbers has only gh_py_begin).
+        begin = getattr(lib, "gh_py_begin_call", None) or lib.gh_py_begin
+        fastpath.bind(ctypes.cast(begin, ctypes.c_void_p).value,
                       ctypes.cast(lib.gh_py_end_head, ctypes.c_void_p).value)
         return fastpath
     except Exception as exc:  # noqa: BLE001  (the Python wrapper does it all)
@@ -174,6 +178,20 @@ class _Hook:
         self.begin = pylib.gh_py_begin
         self.begin.restype = ctypes.c_size_t
         self.begin.argtypes = []
+        # A call that writes a communication-call record begins with begin_call (or,
+        # a batch of n, begin_calls(n)): the hook numbers it, and its pause gate can
+        # hold a rank before a given call number (spank/hook/gh_ring.h). A hook from
+        # before call numbers has neither: then begin, and the gate holds any call.
+        try:
+            self.begin_call = pylib.gh_py_begin_call
+            self.begin_call.restype = ctypes.c_size_t
+            self.begin_call.argtypes = []
+            self.begin_calls = pylib.gh_py_begin_calls
+            self.begin_calls.restype = ctypes.c_size_t
+            self.begin_calls.argtypes = [ctypes.c_uint32]
+        except AttributeError:
+            self.begin_call = self.begin
+            self.begin_calls = lambda _n: self.begin()
         self.end = pylib.gh_py_end
         self.end.restype = None
         self.end.argtypes = []
@@ -388,7 +406,7 @@ def _wrap(fn, name: str, hook: _Hook, dc10d):
     i_async = pos.get("async_op", absent)
     is_list = size_arg in ("input_list", "tensor_list")
     always_async = name in _ALWAYS_ASYNC
-    begin, end_head, pack = hook.begin, hook.end_head, _HEAD.pack
+    begin, end_head, pack = hook.begin_call, hook.end_head, _HEAD.pack
     waits = hook.waits
     reqs, weak_ref = waits.reqs, weakref.ref
     op_key = op << 48             # heads are keyed by (peer, op, size) in one int
@@ -534,7 +552,7 @@ def _head(op, flags, peer, comm_id, nbytes, req):
 
 
 def _wrap_batch(fn, hook: _Hook, dc10d):
-    begin, end = hook.begin, hook.end
+    begin_calls, end = hook.begin_calls, hook.end
     record = hook.record
 
     @functools.wraps(fn)
@@ -553,7 +571,8 @@ def _wrap_batch(fn, hook: _Hook, dc10d):
                             _nbytes(p.tensor)))
         except Exception:  # noqa: BLE001
             return fn(p2p_op_list)
-        addr = begin()            # the isend/irecv torch issues inside are part of this
+        # One number per op's record; the batch is held or not as one (by its first).
+        addr = begin_calls(len(ops))  # the isend/irecv torch issues inside are part of this
         if not addr:
             return fn(p2p_op_list)
         try:
@@ -862,7 +881,7 @@ class _DDP:
         begun = 0
         try:
             if self.hook.active():
-                begun = self.hook.begin()
+                begun = self.hook.begin_call()   # the bucket's AllReduce record, at completion
                 if begun & 1:
                     self.hook.gate()
         except Exception as exc:  # noqa: BLE001

@@ -8,12 +8,15 @@
  * calls cost ~4 us. This module gives each wrapped function a C callable that
  * handles the common case itself: a blocking call on a process group the
  * capture has already described, sized by tensor.nbytes, with a peer that
- * needs no translation. It calls gh_py_begin and gh_py_end_head of the hook
- * directly, with the record head built on the stack.
+ * needs no translation. It calls gh_py_begin_call and gh_py_end_head of the
+ * hook directly, with the record head built on the stack. gh_py_begin_call
+ * numbers the call as the hook numbers its MPI and NCCL calls (every call the
+ * fast path records is a communication call), so that the pause gate holds
+ * a torch rank before the same call number as an MPI one (gh_ring.h).
  *
  * Everything else (the first call on a group, async calls, lists of tensors,
  * group-relative peers, any surprise) goes to the Python wrapper, which stays
- * the complete implementation: the fast path decides before gh_py_begin, so it
+ * the complete implementation: the fast path decides before gh_py_begin_call, so it
  * never leaves a half-made record, and any error it meets there is cleared and
  * handed to the Python wrapper, which is itself fail-open.
  *
@@ -194,7 +197,7 @@ static PyObject *fastcall_call(PyObject *obj, PyObject *args, PyObject *kwargs)
 	begun = gh_begin();     /* 0: inside another captured call on this thread */
 	if (!begun)
 		return PyObject_Call(self->fn, args, kwargs);
-	if (begun & 1) {        /* the pause gate is set: wait there (GIL released) */
+	if (begun & 1) {        /* the pause gate holds this call: wait there (GIL released) */
 		gated = PyObject_CallMethodObjArgs(self->hook, s_gate, NULL);
 		Py_XDECREF(gated);
 		PyErr_Clear();      /* a gate that fails lets the call go on */
@@ -301,7 +304,10 @@ static PyType_Spec fastcall_spec = {
 	.slots = fastcall_slots,
 };
 
-/* bind(begin, end_head): the addresses of the hook's gh_py_begin and gh_py_end_head. */
+/*
+ * bind(begin, end_head): the addresses of the hook's gh_py_begin_call (or, from a
+ * hook before call numbers, gh_py_begin: same signature) and gh_py_end_head.
+ */
 static PyObject *bind(PyObject *module, PyObject *args)
 {
 	unsigned long long begin, end_head;
@@ -310,7 +316,7 @@ static PyObject *bind(PyObject *module, PyObject *args)
 	if (!PyArg_ParseTuple(args, "KK", &begin, &end_head))
 		return NULL;
 	if (!begin || !end_head) {
-		PyErr_SetString(PyExc_ValueError, "bind() needs the addresses of gh_py_begin and gh_py_end_head");
+		PyErr_SetString(PyExc_ValueError, "bind() needs the addresses of gh_py_begin_call and gh_py_end_head");
 		return NULL;
 	}
 	gh_begin = (gh_begin_fn)(uintptr_t)begin;
@@ -319,7 +325,7 @@ static PyObject *bind(PyObject *module, PyObject *args)
 }
 
 static PyMethodDef module_methods[] = {
-	{"bind", bind, METH_VARARGS, "bind(begin, end_head): the hook's gh_py_begin and gh_py_end_head."},
+	{"bind", bind, METH_VARARGS, "bind(begin, end_head): the hook's gh_py_begin_call and gh_py_end_head."},
 	{NULL, NULL, 0, NULL},
 };
 

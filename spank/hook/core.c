@@ -263,6 +263,7 @@ static int open_ring(void)
 {
 	const char *dir = getenv("GREYHOUND_RUN_DIR");
 	const char *job = getenv("GREYHOUND_JOB_ID");
+	const char *node = getenv("SLURMD_NODENAME");
 	char path[4096];
 	uint32_t capacity, hook_flags;
 	int allow_tsc;
@@ -338,6 +339,13 @@ static int open_ring(void)
 		hdr->job_id[sizeof(hdr->job_id) - 1] = '\0'; /* truncated, still terminated */
 	if (gethostname(hdr->hostname, sizeof(hdr->hostname) - 1) < 0)
 		hdr->hostname[0] = '\0';
+	/* Several emulated Slurm nodes (slurmd -N) may share one host: the node says whose. */
+	if (node && *node) {
+		if (snprintf(hdr->node, sizeof(hdr->node), "%s", node) >= (int)sizeof(hdr->node))
+			hdr->node[sizeof(hdr->node) - 1] = '\0'; /* truncated, still terminated */
+	} else {
+		memcpy(hdr->node, hdr->hostname, sizeof(hdr->node));
+	}
 	/* Magic last: a reader that sees it sees a complete header. */
 	__atomic_thread_fence(__ATOMIC_RELEASE);
 	memcpy(hdr->magic, GH_RING_MAGIC, sizeof(GH_RING_MAGIC));
@@ -396,38 +404,72 @@ int gh_abi_check_slow(int *state, int (*check)(void))
 	return verdict == GH_ABI_OK;
 }
 
-void gh_gate_slow(void)
+/*
+ * Whether a gate epoch holds the call numbered call (0: not a communication
+ * call). The agent writes gate_at_call before gate, so it is read after the
+ * epoch (acquire).
+ */
+static int epoch_holds(struct gh_ring_header *hdr, uint32_t epoch, uint64_t call)
+{
+	uint64_t at;
+
+	if (epoch == 0 || epoch == __atomic_load_n(&gate_released_epoch, __ATOMIC_RELAXED))
+		return 0;
+	at = __atomic_load_n(&hdr->gate_at_call, __ATOMIC_ACQUIRE);
+	return at == 0 || (call != 0 && call >= at);
+}
+
+int gh_gate_holds(uint64_t call)
+{
+	struct gh_ring_header *hdr = gh_hdr;
+
+	return hdr && epoch_holds(hdr, __atomic_load_n(&hdr->gate, __ATOMIC_ACQUIRE), call);
+}
+
+/* ---- the pause gate --------------------------------------------------------- */
+
+void gh_gate_slow(uint64_t call)
 {
 	struct gh_ring_header *hdr = gh_hdr;
 	uint32_t epoch = __atomic_load_n(&hdr->gate, __ATOMIC_ACQUIRE);
 	uint64_t t0, t, deadline;
 	int timed_out = 0;
 
-	if (epoch == 0 || epoch == __atomic_load_n(&gate_released_epoch, __ATOMIC_RELAXED))
+	if (!epoch_holds(hdr, epoch, call))
 		return;
 	t0 = gh_now_ns();
-	deadline = t0 + pause_timeout_ns;
+	/* The deadline is fixed when the thread parks: a new epoch does not extend it. */
+	deadline = gh_mono_ns() + pause_timeout_ns;
 	__atomic_fetch_add(&hdr->gate_waits, 1, __ATOMIC_RELAXED);
-	if (__atomic_fetch_add(&hdr->parked, 1, __ATOMIC_ACQ_REL) == 0)
+	if (__atomic_fetch_add(&hdr->parked, 1, __ATOMIC_ACQ_REL) == 0) {
+		__atomic_store_n(&hdr->parked_at_call, call, __ATOMIC_RELAXED);
 		__atomic_store_n(&hdr->parked_since_ns, t0, __ATOMIC_RELEASE);
+	}
 	for (;;) {
 		struct timespec nap = { 0, 500000 }; /* 0.5 ms: the gate is seconds-scale */
 		uint32_t e = __atomic_load_n(&hdr->gate, __ATOMIC_ACQUIRE);
 
-		t = gh_now_ns();
 		if (e == 0)
 			break;
-		if (t >= deadline) {
+		if (e != epoch) {
+			/* Paused again meanwhile (say, at another call): held only if that holds. */
+			epoch = e;
+			if (!epoch_holds(hdr, e, call))
+				break;
+		}
+		if (gh_mono_ns() >= deadline) {
 			/* The agent is gone or stuck: go on, and ignore this epoch from now on. */
 			__atomic_store_n(&gate_released_epoch, e, __ATOMIC_RELAXED);
 			timed_out = 1;
-			epoch = e;
 			break;
 		}
 		nanosleep(&nap, NULL);
 	}
-	if (__atomic_sub_fetch(&hdr->parked, 1, __ATOMIC_ACQ_REL) == 0)
+	t = gh_now_ns();
+	if (__atomic_sub_fetch(&hdr->parked, 1, __ATOMIC_ACQ_REL) == 0) {
 		__atomic_store_n(&hdr->parked_since_ns, 0, __ATOMIC_RELEASE);
+		__atomic_store_n(&hdr->parked_at_call, 0, __ATOMIC_RELAXED);
+	}
 	if (timed_out)
 		__atomic_fetch_add(&hdr->gate_timeouts, 1, __ATOMIC_RELAXED);
 	gh_record(GH_OP_PAUSE, GH_SRC_HOOK, timed_out ? GH_F_GATE_TIMEOUT : 0, t0, t, 0, 0,

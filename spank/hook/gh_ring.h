@@ -34,7 +34,7 @@
 #include <stdint.h>
 
 #define GH_RING_MAGIC      "GHRING1"  /* 7 chars + NUL = 8 bytes */
-#define GH_RING_VERSION    1u
+#define GH_RING_VERSION    2u   /* 2: node, calls, gate_at_call, the GEMM benchmark */
 #define GH_RING_HEADER_BYTES 512u
 #define GH_COMM_CAPACITY   256u
 #define GH_RING_DEFAULT_RECORDS 65536u   /* 4 MiB of records */
@@ -134,8 +134,9 @@ struct gh_ring_header {
 	char job_id[32];
 	char hostname[64];
 	char reserved1[8];
-	/* producer cursor, own cache line */
+	/* producer cursor, own cache line (calls shares it: both change with every call) */
 	_Alignas(64) uint64_t head;          /* next index to write */
+	uint64_t calls;                      /* communication calls that reached the gate (below) */
 	/* reader cursor, own cache line: written by the agent */
 	_Alignas(64) uint64_t reader_pos;
 	/* counters and the pause gate */
@@ -148,8 +149,62 @@ struct gh_ring_header {
 	uint32_t num_comms;                  /* entries claimed in the comm table */
 	uint32_t comm_overflow;              /* communicators not stored */
 	uint64_t events_skipped;             /* device timings not taken (pool full) */
-	char reserved2[136];
+	/* the consistent pause (see "The pause gate" below) */
+	uint64_t gate_at_call;               /* set by the agent: 0 = hold the next call */
+	uint64_t parked_at_call;             /* number of the call held now, 0 if none */
+	/* the GEMM benchmark, run by a parked thread (see "The benchmark" below) */
+	uint64_t bench_ns;                   /* wall-clock ns of the last GEMM */
+	uint64_t bench_cpu_ns;               /* its thread CPU ns */
+	uint32_t bench_n;                    /* set by the agent: matrix size */
+	uint32_t bench_request;              /* set by the agent: epoch of the request */
+	uint32_t bench_done;                 /* epoch answered (release, after the result) */
+	uint32_t bench_status;               /* enum gh_bench_status of bench_done */
+	char reserved2[24];
+	/* the node the writer ran on, own cache line: written once, before magic */
+	_Alignas(64) char node[64];          /* SLURMD_NODENAME, else the hostname */
 };
+
+/*
+ * The pause gate. A call the hook records passes gh_gate_call (hook.h), which
+ * gives it the next number of the ring's call counter: calls is the number of
+ * communication calls (the ops of ring.py's CALL_OPS: AllReduce, ReduceScatter,
+ * AllGather, Broadcast, Reduce, Send, Recv, SendRecv, Barrier; not Wait, Group,
+ * communicator events or Pause) that reached the gate, the one held there
+ * included. A thread that makes its calls one after another (every MPI rank
+ * and torch program here) writes each call's record before its next call
+ * starts, so the k-th call record of the ring is call number k. (Calls made
+ * concurrently by several threads are numbered in the order they start, and
+ * their records are claimed in the order they end.)
+ *
+ * gate = 0: nothing is held. gate = an epoch, gate_at_call = 0: the next call
+ * of any kind (a Wait too) is held, as in layout version 1. gate = an epoch,
+ * gate_at_call = T: communication calls numbered < T pass, the first one
+ * numbered >= T is held before it is made (parked_at_call says which), and
+ * non-communication calls pass. The agent writes gate_at_call before gate. A
+ * held thread goes on when gate is cleared, or when the ring's pause timeout
+ * has passed since it parked (that epoch is then ignored from there on).
+ *
+ * The benchmark. A parked thread (one at a time per process) that sees
+ * bench_request != bench_done runs an N x N x N single-precision GEMM
+ * (N = bench_n) in the rank's own process, CPU set and cgroup, writes bench_ns,
+ * bench_cpu_ns and bench_status, then stores bench_done = bench_request
+ * (release), and stays parked. The GEMM stops early when the gate is cleared
+ * or the pause timeout passes (the rank is released on time); a request still
+ * open when the last parked thread leaves is answered GH_BENCH_NOT_PARKED.
+ * CPU only: on a GPU rank the same request would run in its CUDA context
+ * (not built).
+ */
+enum gh_bench_status {
+	GH_BENCH_NONE = 0,        /* nothing answered yet */
+	GH_BENCH_OK = 1,
+	GH_BENCH_TIMEOUT = 2,     /* stopped: the pause timeout passed */
+	GH_BENCH_RESUMED = 3,     /* stopped: the gate was cleared */
+	GH_BENCH_BAD_SIZE = 4,    /* bench_n outside [GH_BENCH_MIN_N, GH_BENCH_MAX_N] */
+	GH_BENCH_NO_MEMORY = 5,   /* the matrices could not be mapped */
+	GH_BENCH_NOT_PARKED = 6,  /* the rank left the gate before it got to it */
+};
+#define GH_BENCH_MIN_N 16u
+#define GH_BENCH_MAX_N 4096u
 
 #define GH_HOOK_TRACE 0x1u   /* GREYHOUND_TRACE=on: device timing of NCCL ops */
 #define GH_HOOK_TSC 0x2u     /* times are read from the TSC, fitted to CLOCK_MONOTONIC */

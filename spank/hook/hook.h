@@ -5,7 +5,7 @@
  *
  *     real = gh_resolve(&cache, "name");        // dlsym(RTLD_NEXT), cached
  *     if (!gh_enter()) return real(...);        // off, nested or initialising
- *     gh_gate();                                // pause gate (bounded wait)
+ *     gh_gate_call();                           // number it, pause gate (bounded wait)
  *     t0 = gh_now_ns(); rc = real(...); t1 = gh_now_ns();
  *     gh_record(...); gh_leave(); return rc;
  *
@@ -177,13 +177,36 @@ static inline int gh_abi_ok(int *state, int (*check)(void))
 	return gh_abi_check_slow(state, check);
 }
 
-void gh_gate_slow(void);
+/* call: the number of a communication call (gh_gate_call), 0 for any other call. */
+void gh_gate_slow(uint64_t call);
+/* Whether the gate holds the call numbered call (0: not a communication call) now. */
+int gh_gate_holds(uint64_t call);
 
-/* The pause gate: one relaxed load unless the agent has set it. */
+/*
+ * The pause gate of a call that is not a communication call (Wait, GroupStart):
+ * one relaxed load unless the agent has set it. It is held only by a pause of
+ * the next call (gate_at_call 0); see gh_ring.h.
+ */
 static inline void gh_gate(void)
 {
 	if (GH_UNLIKELY(__atomic_load_n(&gh_hdr->gate, __ATOMIC_RELAXED) != 0))
-		gh_gate_slow();
+		gh_gate_slow(0);
+}
+
+/*
+ * The pause gate of a communication call (an op of ring.py's CALL_OPS), before
+ * the call is made: numbers it (one relaxed increment of the ring's call
+ * counter, on the cache line of head, which the record's claim writes anyway)
+ * and returns its number. Only calls that will be recorded come here, so that
+ * the k-th call record of a thread that calls one call at a time is number k.
+ */
+static inline uint64_t gh_gate_call(void)
+{
+	uint64_t call = __atomic_add_fetch(&gh_hdr->calls, 1, __ATOMIC_RELAXED);
+
+	if (GH_UNLIKELY(__atomic_load_n(&gh_hdr->gate, __ATOMIC_RELAXED) != 0))
+		gh_gate_slow(call);
+	return call;
 }
 
 /* Appends one record; returns its sequence number (index + 1). Lock-free. */

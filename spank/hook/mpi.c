@@ -321,7 +321,7 @@ GH_EXPORT int MPI_Allreduce(const void *sendbuf, void *recvbuf, int count,
 		return MPI_ERR_INTERN;
 	if (!mpi_enter())
 		return real(sendbuf, recvbuf, count, datatype, op, comm);
-	gh_gate();
+	gh_gate_call();
 	t0 = gh_now_ns();
 	rc = real(sendbuf, recvbuf, count, datatype, op, comm);
 	t1 = gh_now_ns();
@@ -346,7 +346,7 @@ GH_EXPORT int MPI_Reduce_scatter(const void *sendbuf, void *recvbuf, const int r
 		return MPI_ERR_INTERN;
 	if (!mpi_enter())
 		return real(sendbuf, recvbuf, recvcounts, datatype, op, comm);
-	gh_gate();
+	gh_gate_call();
 	t0 = gh_now_ns();
 	rc = real(sendbuf, recvbuf, recvcounts, datatype, op, comm);
 	t1 = gh_now_ns();
@@ -373,7 +373,7 @@ GH_EXPORT int MPI_Reduce_scatter_block(const void *sendbuf, void *recvbuf, int r
 		return MPI_ERR_INTERN;
 	if (!mpi_enter())
 		return real(sendbuf, recvbuf, recvcount, datatype, op, comm);
-	gh_gate();
+	gh_gate_call();
 	t0 = gh_now_ns();
 	rc = real(sendbuf, recvbuf, recvcount, datatype, op, comm);
 	t1 = gh_now_ns();
@@ -397,7 +397,7 @@ GH_EXPORT int MPI_Allgather(const void *sendbuf, int sendcount, MPI_Datatype sen
 		return MPI_ERR_INTERN;
 	if (!mpi_enter())
 		return real(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm);
-	gh_gate();
+	gh_gate_call();
 	t0 = gh_now_ns();
 	rc = real(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm);
 	t1 = gh_now_ns();
@@ -422,7 +422,7 @@ GH_EXPORT int MPI_Bcast(void *buffer, int count, MPI_Datatype datatype, int root
 		return MPI_ERR_INTERN;
 	if (!mpi_enter())
 		return real(buffer, count, datatype, root, comm);
-	gh_gate();
+	gh_gate_call();
 	t0 = gh_now_ns();
 	rc = real(buffer, count, datatype, root, comm);
 	t1 = gh_now_ns();
@@ -445,7 +445,7 @@ GH_EXPORT int MPI_Reduce(const void *sendbuf, void *recvbuf, int count, MPI_Data
 		return MPI_ERR_INTERN;
 	if (!mpi_enter())
 		return real(sendbuf, recvbuf, count, datatype, op, root, comm);
-	gh_gate();
+	gh_gate_call();
 	t0 = gh_now_ns();
 	rc = real(sendbuf, recvbuf, count, datatype, op, root, comm);
 	t1 = gh_now_ns();
@@ -468,7 +468,7 @@ GH_EXPORT int MPI_Barrier(MPI_Comm comm)
 		return MPI_ERR_INTERN;
 	if (!mpi_enter())
 		return real(comm);
-	gh_gate();
+	gh_gate_call();
 	t0 = gh_now_ns();
 	rc = real(comm);
 	t1 = gh_now_ns();
@@ -493,7 +493,7 @@ GH_EXPORT int MPI_Send(const void *buf, int count, MPI_Datatype datatype, int de
 		return MPI_ERR_INTERN;
 	if (!mpi_enter())
 		return real(buf, count, datatype, dest, tag, comm);
-	gh_gate();
+	gh_gate_call();
 	t0 = gh_now_ns();
 	rc = real(buf, count, datatype, dest, tag, comm);
 	t1 = gh_now_ns();
@@ -516,7 +516,7 @@ GH_EXPORT int MPI_Recv(void *buf, int count, MPI_Datatype datatype, int source, 
 		return MPI_ERR_INTERN;
 	if (!mpi_enter())
 		return real(buf, count, datatype, source, tag, comm, status);
-	gh_gate();
+	gh_gate_call();
 	t0 = gh_now_ns();
 	rc = real(buf, count, datatype, source, tag, comm, status);
 	t1 = gh_now_ns();
@@ -543,7 +543,7 @@ GH_EXPORT int MPI_Sendrecv(const void *sendbuf, int sendcount, MPI_Datatype send
 	if (!mpi_enter())
 		return real(sendbuf, sendcount, sendtype, dest, sendtag, recvbuf, recvcount,
 			    recvtype, source, recvtag, comm, status);
-	gh_gate();
+	gh_gate_call();
 	t0 = gh_now_ns();
 	rc = real(sendbuf, sendcount, sendtype, dest, sendtag, recvbuf, recvcount, recvtype,
 		  source, recvtag, comm, status);
@@ -568,7 +568,7 @@ GH_EXPORT int MPI_Isend(const void *buf, int count, MPI_Datatype datatype, int d
 		return MPI_ERR_INTERN;
 	if (!mpi_enter())
 		return real(buf, count, datatype, dest, tag, comm, request);
-	gh_gate();
+	gh_gate_call();
 	t0 = gh_now_ns();
 	rc = real(buf, count, datatype, dest, tag, comm, request);
 	t1 = gh_now_ns();
@@ -592,7 +592,7 @@ GH_EXPORT int MPI_Irecv(void *buf, int count, MPI_Datatype datatype, int source,
 		return MPI_ERR_INTERN;
 	if (!mpi_enter())
 		return real(buf, count, datatype, source, tag, comm, request);
-	gh_gate();
+	gh_gate_call();
 	t0 = gh_now_ns();
 	rc = real(buf, count, datatype, source, tag, comm, request);
 	t1 = gh_now_ns();

@@ -383,7 +383,7 @@ struct call {
 
 static inline void op_begin(struct call *c, void *stream)
 {
-	gh_gate();
+	gh_gate_call();
 	c->ev = ev_begin(stream);
 	c->t0 = gh_now_ns();
 }

@@ -31,6 +31,8 @@ struct gh_py_stage {
 
 /* This thread is inside a captured call (torch's nested calls are part of it). */
 static __thread int py_busy __attribute__((tls_model("initial-exec")));
+/* The number of the communication call this thread began, 0 if not one (gh_ring.h). */
+static __thread uint64_t py_call __attribute__((tls_model("initial-exec")));
 static __thread struct gh_py_stage py_stage __attribute__((tls_model("initial-exec")));
 
 /* 1 if the hook records in this process (opens the ring on first use). */
@@ -54,12 +56,17 @@ GH_EXPORT uintptr_t gh_py_gate_word(void)
 	return (uintptr_t)&gh_hdr->gate;
 }
 
-/* The pause gate; returns at once unless the agent has set it. */
+/*
+ * The pause gate, for the call this thread began (gh_py_begin_call: held by a
+ * pause at its number; gh_py_begin: held only by a pause of the next call);
+ * returns at once unless the agent has set it.
+ */
 GH_EXPORT void gh_py_gate(void)
 {
 	if (!gh_enter())
 		return;
-	gh_gate();
+	if (GH_UNLIKELY(__atomic_load_n(&gh_hdr->gate, __ATOMIC_RELAXED) != 0))
+		gh_gate_slow(py_busy ? py_call : 0);
 	gh_leave();
 	if (py_busy)
 		py_stage.t_start_ns = gh_now_ns(); /* the call starts after the wait */
@@ -81,29 +88,62 @@ GH_EXPORT uint64_t gh_py_record(uint32_t op, uint64_t comm_id, int32_t peer,
 }
 
 /*
- * Starts a captured call on this thread. Returns 0 when it is not to be
+ * Starts a captured call on this thread that writes no communication-call
+ * record (a Wait; a call recorded nowhere). Returns 0 when it is not to be
  * recorded (the hook is off, or this thread is already inside one), else the
- * address of the thread's staging record, plus 1 when the pause gate is set
+ * address of the thread's staging record, plus 1 when the pause gate holds it
  * (the caller then waits in gh_py_gate, which releases the GIL and takes the
  * start time again). A nonzero return must be matched by gh_py_end.
  *
  * The record starts empty (op 0: nothing is written unless the caller packs
  * op, flags, peer, comm_id and size_bytes), with t_start = now and req_id 0.
  */
-GH_EXPORT uintptr_t gh_py_begin(void)
+static inline uintptr_t py_begin(uint32_t num_calls)
 {
+	uint64_t call = 0;
 	int gate;
 
 	if (py_busy || !gh_enter())
 		return 0;
-	gate = __atomic_load_n(&gh_hdr->gate, __ATOMIC_RELAXED) != 0;
+	/*
+	 * The calls' numbers, before the gate as in the C hook (gh_gate_call): a
+	 * batch of several is held or not as one, by the number of its first.
+	 */
+	if (num_calls)
+		call = __atomic_add_fetch(&gh_hdr->calls, num_calls, __ATOMIC_RELAXED) -
+		       num_calls + 1;
+	gate = GH_UNLIKELY(__atomic_load_n(&gh_hdr->gate, __ATOMIC_RELAXED) != 0) &&
+	       gh_gate_holds(call);
 	gh_leave();
 	py_busy = 1;
+	py_call = call;
 	py_stage.head.op = GH_OP_NONE;
 	py_stage.head.req_id = 0;
 	py_stage.t_end_ns = 0;
 	py_stage.t_start_ns = gh_now_ns();
 	return (uintptr_t)&py_stage + (uintptr_t)gate;
+}
+
+GH_EXPORT uintptr_t gh_py_begin(void)
+{
+	return py_begin(0);
+}
+
+/*
+ * gh_py_begin for a call that writes one communication-call record (an op of
+ * ring.py's CALL_OPS, at its end or, async, at its completion): numbers it as
+ * the C hook numbers its calls, so that the pause gate holds it or not by its
+ * number. The capture's wrappers and its C fast path begin with this one.
+ */
+GH_EXPORT uintptr_t gh_py_begin_call(void)
+{
+	return py_begin(1);
+}
+
+/* The same for a batch that writes num_calls call records (batch_isend_irecv). */
+GH_EXPORT uintptr_t gh_py_begin_calls(uint32_t num_calls)
+{
+	return py_begin(num_calls);
 }
 
 /*
@@ -118,6 +158,7 @@ GH_EXPORT uint64_t gh_py_end(void)
 	uint64_t seq;
 
 	py_busy = 0;
+	py_call = 0;
 	py_stage.head.op = GH_OP_NONE;
 	if (p.head.op == GH_OP_NONE || p.head.op >= GH_OP_COUNT || !gh_enter())
 		return 0;
@@ -153,6 +194,7 @@ void gh_py_atfork_child(void)
 {
 	/* A fork inside a captured call: the child's thread is not inside it. */
 	py_busy = 0;
+	py_call = 0;
 	py_stage.head.op = GH_OP_NONE;
 }
 
