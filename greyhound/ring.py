@@ -13,7 +13,9 @@ tests/test_hook_layout.py checks every offset against the compiled header.
 the records committed since the last call, as a copy, and publishes how far it read
 so that the hook counts as ``drops`` only records overwritten before anyone read them.
 It also drives the ring's pause gate (:meth:`RingReader.pause`, at the next call or
-before a given call number, :meth:`RingReader.resume`).
+before a given call number, :meth:`RingReader.resume`) and the GEMM benchmark a parked
+rank runs in its own process (:meth:`RingReader.request_bench`,
+:meth:`RingReader.bench_result`, :func:`bench_n_for`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,10 +116,52 @@ BENCH_STATUS_NAMES = {
     BENCH_NOT_PARKED: "the rank left the gate before it ran",
 }
 BENCH_MIN_N, BENCH_MAX_N = 16, 4096   # GH_BENCH_MIN_N, GH_BENCH_MAX_N
+BENCH_TARGET_S = 0.2
+"""How long a benchmark should take on a healthy rank (see :func:`bench_n_for`)."""
+BENCH_PROBE_N = 256
+"""The size a calibration probe runs at (milliseconds on any CPU)."""
 
 
 class RingError(GreyhoundError):
     """A ring file is missing, not a greyhound ring, or of another layout version."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchResult:
+    """How the hook answered one benchmark request (:meth:`RingReader.request_bench`)."""
+
+    n: int
+    """Matrix size of the GEMM."""
+    status: int
+    """BENCH_OK, or why there is no result (BENCH_STATUS_NAMES says it in words)."""
+    wall_s: float | None
+    """Wall-clock seconds of the GEMM; None unless status is BENCH_OK."""
+    cpu_s: float | None
+    """CPU seconds of the thread that ran it: wall_s well above cpu_s means the rank
+    did not get its CPU (a quota, a shared core); None unless status is BENCH_OK."""
+
+
+def bench_n_for(probe_s: float, *, probe_n: int = BENCH_PROBE_N,
+                target_s: float = BENCH_TARGET_S) -> int:
+    """The GEMM size that takes about target_s where a probe of size probe_n took probe_s.
+
+    The work grows as n^3, so n = probe_n (target_s / probe_s)^(1/3), rounded to a
+    multiple of 16 and clamped to [BENCH_MIN_N, BENCH_MAX_N]. How a master sizes the
+    validation GEMM: park the suspects and some healthy ranks, request probe_n on all
+    of them, take the median time (a healthy majority's), and request
+    ``bench_n_for(median)`` on each. Size it from healthy ranks, never from the
+    suspect alone: a rank under a CPU quota would get a smaller n and look healthy.
+    A probe of a few milliseconds also fits in one quota period (100 ms), so even a
+    throttled rank's probe says little; the target of 0.2 s spans several.
+
+    Raises:
+        InputError: a time or size that is not positive.
+    """
+    if not (probe_s > 0 and target_s > 0) or probe_n < 1:
+        raise InputError(f"bench_n_for: probe_s={probe_s!r}, probe_n={probe_n!r} and "
+                         f"target_s={target_s!r} must be positive")
+    n = probe_n * (target_s / probe_s) ** (1 / 3)
+    return int(min(BENCH_MAX_N, max(BENCH_MIN_N, 16 * round(n / 16))))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,6 +270,7 @@ class RingReader:
         self._pos = 0
         self._pending_since: int | None = None
         self._epoch = 0
+        self._bench_epoch = 0
 
     def _check(self, size: int) -> None:
         h = self._hdr
@@ -376,7 +422,8 @@ class RingReader:
         return self._epoch
 
     def resume(self) -> None:
-        """Clears the gate: held calls go on within about a millisecond."""
+        """Clears the gate: held calls go on within about a millisecond (a benchmark
+        running in the rank stops at once, see :meth:`request_bench`)."""
         if not self._publish:
             raise RingError(f"ring: {self.path} was opened read-only; it cannot be resumed")
         self._hdr["gate"] = 0
@@ -396,6 +443,87 @@ class RingReader:
         at = int(self._hdr["parked_at_call"])
         # The hook stores it just after it counts the thread in: read again once.
         return at if int(self._hdr["parked"]) else None
+
+    # ---- the GEMM benchmark, in the parked rank's own process -----------------
+
+    def request_bench(self, n: int) -> int:
+        """Asks the parked rank to run an n x n x n single-precision GEMM; returns
+        the request's epoch for :meth:`bench_result`.
+
+        The GEMM runs in C, on one thread of the rank's own process (its CPU set,
+        its cgroup: a CPU quota or a throttled core confined to that rank shows
+        only there), while the rank is held at the gate, which holds it after the
+        GEMM too, until :meth:`resume`. The matrices (3 n^2 floats) are mapped on
+        the first request and kept for later ones. A GEMM that would keep the rank
+        past the pause timeout, or is still running at :meth:`resume`, stops, and
+        its result says so. CPU only: on a GPU rank the same request would run in
+        the rank's CUDA context (not built). :func:`bench_n_for` picks n.
+
+        Raises:
+            InputError: n is outside [BENCH_MIN_N, BENCH_MAX_N].
+            RingError: the ring was opened read-only.
+        """
+        if not self._publish:
+            raise RingError(f"ring: {self.path} was opened read-only; it cannot run a benchmark")
+        if isinstance(n, bool) or not isinstance(n, int) or not BENCH_MIN_N <= n <= BENCH_MAX_N:
+            raise InputError(f"ring: benchmark size n={n!r} is out of range; allowed: an int "
+                             f"in [{BENCH_MIN_N}, {BENCH_MAX_N}]")
+        self._bench_epoch = (max(self._bench_epoch, int(self._hdr["bench_request"]))
+                             % 0xFFFFFFFE) + 1
+        # bench_n before bench_request: the hook reads it after it sees the request.
+        self._hdr["bench_n"] = n
+        self._hdr["bench_request"] = self._bench_epoch
+        return self._bench_epoch
+
+    def bench_detail(self, epoch: int) -> BenchResult | None:
+        """The answer to request ``epoch``: None while it is pending.
+
+        Raises:
+            RingError: a later request replaced this one before it was answered.
+        """
+        h = self._hdr
+        if int(h["bench_done"]) != epoch:
+            if int(h["bench_request"]) != epoch:
+                raise RingError(f"ring: {self.path}: benchmark request {epoch} was replaced "
+                                f"by request {int(h['bench_request'])} before it ran")
+            return None
+        # bench_done is stored after the result (release): read the result after it.
+        status = int(h["bench_status"])
+        return BenchResult(n=int(h["bench_n"]), status=status,
+                           wall_s=int(h["bench_ns"]) / 1e9 if status == BENCH_OK else None,
+                           cpu_s=int(h["bench_cpu_ns"]) / 1e9 if status == BENCH_OK else None)
+
+    def bench_result(self, epoch: int) -> float | None:
+        """Wall-clock seconds of request ``epoch``'s GEMM; None while it is pending.
+
+        Raises:
+            RingError: the rank answered without a result (stopped at the pause
+                timeout or by a resume, bad size, no memory, not parked), or a later
+                request replaced this one.
+        """
+        detail = self.bench_detail(epoch)
+        if detail is None:
+            return None
+        if detail.status != BENCH_OK:
+            raise RingError(f"ring: {self.path}: benchmark request {epoch} (n={detail.n}) "
+                            f"has no result: {BENCH_STATUS_NAMES.get(detail.status, detail.status)}")
+        return detail.wall_s
+
+    def wait_bench(self, epoch: int, timeout_s: float) -> float:
+        """:meth:`bench_result`, polled every millisecond until it is there.
+
+        Raises:
+            RingError: no answer within timeout_s, or as :meth:`bench_result`.
+        """
+        end = time.monotonic() + timeout_s
+        while True:
+            result = self.bench_result(epoch)
+            if result is not None:
+                return result
+            if time.monotonic() > end:
+                raise RingError(f"ring: {self.path}: benchmark request {epoch} not answered "
+                                f"within {timeout_s} s (is the rank parked?)")
+            time.sleep(0.001)
 
     def close(self) -> None:
         """Releases the mapping (arrays returned by read stay valid: they are copies)."""

@@ -230,6 +230,8 @@ static int open_ring_file(const char *dir, long rank, char *path, size_t path_le
 	return open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
 }
 
+static void bench_atfork_child(void);
+
 static void atfork_child(void)
 {
 	/*
@@ -245,6 +247,7 @@ static void atfork_child(void)
 	gh_nccl_atfork_child();
 	gh_py_atfork_child();
 	gh_clock_atfork_child();
+	bench_atfork_child();
 	set_state(GH_UNINIT);
 }
 
@@ -426,6 +429,139 @@ int gh_gate_holds(uint64_t call)
 	return hdr && epoch_holds(hdr, __atomic_load_n(&hdr->gate, __ATOMIC_ACQUIRE), call);
 }
 
+/* ---- the GEMM benchmark of a parked rank ------------------------------------ */
+
+#define BENCH_BLOCK 64
+/* Only one parked thread of the process benchmarks at a time; the matrices are its. */
+static int bench_busy;
+static float *bench_mem;       /* A, B, C of the largest size asked so far; kept */
+static size_t bench_mem_bytes;
+static volatile float bench_sink;
+
+static int bench_map(uint32_t n)
+{
+	size_t bytes = 3 * (size_t)n * n * sizeof(float);
+	void *p;
+
+	if (bytes <= bench_mem_bytes)
+		return 0;
+	/* mmap, not malloc: the program's allocator (and its locks) stays out of this. */
+	p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (p == MAP_FAILED)
+		return -1;
+	if (bench_mem)
+		munmap(bench_mem, bench_mem_bytes);
+	bench_mem = p;
+	bench_mem_bytes = bytes;
+	return 0;
+}
+
+static void bench_atfork_child(void)
+{
+	/*
+	 * Forked while another thread benchmarked: that thread is not in the child.
+	 * The matrices (a private mapping) stay, copy-on-write, for the child's use.
+	 */
+	bench_busy = 0;
+}
+
+static uint64_t thread_cpu_ns(void)
+{
+	struct timespec ts;
+
+	if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) < 0)
+		return 0;
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/*
+ * C += A B, n x n, single precision, one thread: blocks of BENCH_BLOCK, i-k-j
+ * inside a block so that the innermost loop streams a row of B into a row of C.
+ * Between blocks it looks at the clock and the gate: it stops (and says why)
+ * once the gate is cleared or the deadline passes, so the rank is released on
+ * time whatever n is. Returns an enum gh_bench_status.
+ */
+static int bench_gemm(struct gh_ring_header *hdr, uint32_t n, uint64_t deadline,
+		      uint64_t *wall_ns, uint64_t *cpu_ns)
+{
+	float *a, *b, *c;
+	uint64_t t0, c0;
+	size_t nn = (size_t)n * n;
+	float sum = 0;
+
+	if (n < GH_BENCH_MIN_N || n > GH_BENCH_MAX_N)
+		return GH_BENCH_BAD_SIZE;
+	if (bench_map(n) < 0)
+		return GH_BENCH_NO_MEMORY;
+	a = bench_mem;
+	b = a + nn;
+	c = b + nn;
+	/* Values that stay small and exact enough; writing them also faults the pages in. */
+	for (size_t i = 0; i < nn; i++) {
+		a[i] = (float)((i * 7 + 3) % 17) * 0.0625f;
+		b[i] = (float)((i * 5 + 1) % 13) * 0.0625f;
+		c[i] = 0.0f;
+	}
+	t0 = gh_mono_ns();
+	c0 = thread_cpu_ns();
+	for (uint32_t ii = 0; ii < n; ii += BENCH_BLOCK) {
+		uint32_t ie = ii + BENCH_BLOCK < n ? ii + BENCH_BLOCK : n;
+
+		for (uint32_t kk = 0; kk < n; kk += BENCH_BLOCK) {
+			uint32_t ke = kk + BENCH_BLOCK < n ? kk + BENCH_BLOCK : n;
+
+			if (__atomic_load_n(&hdr->gate, __ATOMIC_RELAXED) == 0)
+				return GH_BENCH_RESUMED;
+			if (gh_mono_ns() >= deadline)
+				return GH_BENCH_TIMEOUT;
+			for (uint32_t jj = 0; jj < n; jj += BENCH_BLOCK) {
+				uint32_t je = jj + BENCH_BLOCK < n ? jj + BENCH_BLOCK : n;
+
+				for (uint32_t i = ii; i < ie; i++) {
+					float *restrict crow = c + (size_t)i * n;
+
+					for (uint32_t k = kk; k < ke; k++) {
+						const float aik = a[(size_t)i * n + k];
+						const float *restrict brow = b + (size_t)k * n;
+
+						for (uint32_t j = jj; j < je; j++)
+							crow[j] += aik * brow[j];
+					}
+				}
+			}
+		}
+	}
+	*wall_ns = gh_mono_ns() - t0;
+	*cpu_ns = thread_cpu_ns() - c0;
+	/* The result is used, so the compiler keeps the work. */
+	for (uint32_t i = 0; i < n; i++)
+		sum += c[(size_t)i * n + i];
+	bench_sink = sum;
+	return GH_BENCH_OK;
+}
+
+/* A parked thread answers an open benchmark request, unless another one is at it. */
+static void bench_serve(struct gh_ring_header *hdr, uint64_t deadline)
+{
+	uint32_t req = __atomic_load_n(&hdr->bench_request, __ATOMIC_ACQUIRE);
+	uint64_t wall = 0, cpu = 0;
+	int expected = 0, status;
+
+	if (req == __atomic_load_n(&hdr->bench_done, __ATOMIC_ACQUIRE))
+		return;
+	if (!__atomic_compare_exchange_n(&bench_busy, &expected, 1, 0, __ATOMIC_ACQUIRE,
+					 __ATOMIC_RELAXED))
+		return;
+	/* bench_n was written before bench_request (the reader's order). */
+	status = bench_gemm(hdr, __atomic_load_n(&hdr->bench_n, __ATOMIC_RELAXED), deadline,
+			    &wall, &cpu);
+	__atomic_store_n(&hdr->bench_ns, wall, __ATOMIC_RELAXED);
+	__atomic_store_n(&hdr->bench_cpu_ns, cpu, __ATOMIC_RELAXED);
+	__atomic_store_n(&hdr->bench_status, (uint32_t)status, __ATOMIC_RELAXED);
+	__atomic_store_n(&hdr->bench_done, req, __ATOMIC_RELEASE);
+	__atomic_store_n(&bench_busy, 0, __ATOMIC_RELEASE);
+}
+
 /* ---- the pause gate --------------------------------------------------------- */
 
 void gh_gate_slow(uint64_t call)
@@ -463,12 +599,21 @@ void gh_gate_slow(uint64_t call)
 			timed_out = 1;
 			break;
 		}
+		bench_serve(hdr, deadline);
 		nanosleep(&nap, NULL);
 	}
 	t = gh_now_ns();
 	if (__atomic_sub_fetch(&hdr->parked, 1, __ATOMIC_ACQ_REL) == 0) {
+		uint32_t req = __atomic_load_n(&hdr->bench_request, __ATOMIC_ACQUIRE);
+
 		__atomic_store_n(&hdr->parked_since_ns, 0, __ATOMIC_RELEASE);
 		__atomic_store_n(&hdr->parked_at_call, 0, __ATOMIC_RELAXED);
+		/* A request nobody here will answer now: say so rather than leave it open. */
+		if (req != __atomic_load_n(&hdr->bench_done, __ATOMIC_ACQUIRE) &&
+		    !__atomic_load_n(&bench_busy, __ATOMIC_ACQUIRE)) {
+			__atomic_store_n(&hdr->bench_status, GH_BENCH_NOT_PARKED, __ATOMIC_RELAXED);
+			__atomic_store_n(&hdr->bench_done, req, __ATOMIC_RELEASE);
+		}
 	}
 	if (timed_out)
 		__atomic_fetch_add(&hdr->gate_timeouts, 1, __ATOMIC_RELAXED);
