@@ -1,7 +1,8 @@
 """The admin's greyhound settings, read from its plugstack line as the plugin reads them.
 
 ``optional /usr/local/lib/greyhound/greyhound_spank.so default=off mode=detect
-prefix=/usr/local rundir=/var/tmp/greyhound retain=7``: the arguments after the plugin's
+prefix=/usr/local rundir=/var/tmp/greyhound retain=7 python=/opt/greyhound/bin/python``:
+the arguments after the plugin's
 path are ``key=value`` with the plugin's keys (spank/plugin/config.c); anything else
 makes the plugin turn greyhound off, and then this reader says so too.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 from greyhound.errors import InputError
 
 PLUGSTACK_ENTRY = Path("/etc/slurm/plugstack.conf.d/greyhound.conf")
-KEYS = ("default", "mode", "prefix", "rundir", "retain")
+KEYS = ("default", "mode", "prefix", "rundir", "retain", "python")
 DEFAULT_RUNDIR = Path("/var/tmp/greyhound")
 DEFAULT_PREFIX = Path("/usr/local")
 
@@ -28,6 +29,8 @@ class PlugstackConfig:
     """Where greyhound is installed."""
     default_on: bool = False
     mode: str = "detect"
+    python: Path | None = None
+    """The interpreter that runs each job's control plane; None: no control plane."""
 
 
 def parse_plugstack_line(line: str) -> PlugstackConfig | None:
@@ -45,7 +48,7 @@ def parse_plugstack_line(line: str) -> PlugstackConfig | None:
         if not eq or key not in KEYS:
             raise InputError(f"plugstack: unknown argument {word!r}; allowed keys: {', '.join(KEYS)}")
         args[key] = value
-    for key in ("rundir", "prefix"):
+    for key in ("rundir", "prefix", "python"):
         if key in args and not args[key].startswith("/"):
             raise InputError(f"plugstack: {key}={args[key]!r} must be an absolute path")
     return PlugstackConfig(
@@ -53,6 +56,7 @@ def parse_plugstack_line(line: str) -> PlugstackConfig | None:
         prefix=Path(args.get("prefix", DEFAULT_PREFIX)),
         default_on=args.get("default", "off") in ("1", "on", "true", "yes", "y"),
         mode=args.get("mode", "detect"),
+        python=Path(args["python"]) if "python" in args else None,
     )
 
 

@@ -12,9 +12,14 @@ from greyhound.plugstack import PlugstackConfig, parse_plugstack_line, read_plug
 
 def test_the_line_gives_its_settings():
     config = parse_plugstack_line("optional /usr/local/lib/greyhound/greyhound_spank.so default=on "
-                                  "mode=mitigate prefix=/opt/gh rundir=/dev/shm/greyhound retain=3")
+                                  "mode=mitigate prefix=/opt/gh rundir=/dev/shm/greyhound retain=3 "
+                                  "python=/opt/gh/venv/bin/python")
     assert config == PlugstackConfig(rundir=Path("/dev/shm/greyhound"), prefix=Path("/opt/gh"),
-                                     default_on=True, mode="mitigate")
+                                     default_on=True, mode="mitigate", python=Path("/opt/gh/venv/bin/python"))
+
+
+def test_without_python_there_is_no_control_plane():
+    assert parse_plugstack_line("optional /x/greyhound_spank.so rundir=/r").python is None
 
 
 def test_other_plugins_and_comments_are_not_greyhounds():
@@ -22,7 +27,7 @@ def test_other_plugins_and_comments_are_not_greyhounds():
     assert parse_plugstack_line("# optional greyhound_spank.so rundir=/x") is None
 
 
-@pytest.mark.parametrize("word", ["rundir", "colour=red", "rundir=relative/path"])
+@pytest.mark.parametrize("word", ["rundir", "colour=red", "rundir=relative/path", "python=python3"])
 def test_an_argument_the_plugin_refuses_is_refused(word):
     with pytest.raises(InputError, match="plugstack: "):
         parse_plugstack_line(f"optional /x/greyhound_spank.so {word}")

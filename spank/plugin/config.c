@@ -45,6 +45,7 @@ void gh_config_defaults(struct gh_config *config)
 	strcpy(config->mode, "detect");
 	strcpy(config->prefix, "/usr/local");
 	strcpy(config->rundir, "/var/tmp/greyhound");
+	config->python[0] = '\0'; /* none: the control plane is not started */
 	config->retain_days = GH_RETAIN_DAYS_DEFAULT;
 }
 
@@ -54,7 +55,7 @@ void gh_config_defaults(struct gh_config *config)
 		goto fail;                           \
 	} while (0)
 
-enum config_key { KEY_DEFAULT, KEY_MODE, KEY_PREFIX, KEY_RUNDIR, KEY_RETAIN };
+enum config_key { KEY_DEFAULT, KEY_MODE, KEY_PREFIX, KEY_RUNDIR, KEY_RETAIN, KEY_PYTHON };
 
 static const struct {
 	const char *name;
@@ -65,9 +66,11 @@ static const struct {
 	{ "prefix", KEY_PREFIX },
 	{ "rundir", KEY_RUNDIR },
 	{ "retain", KEY_RETAIN },
+	{ "python", KEY_PYTHON },
 };
 
-#define CONFIG_KEYS_ALLOWED "default=on|off, mode=detect|mitigate, prefix=DIR, rundir=DIR, retain=DAYS"
+#define CONFIG_KEYS_ALLOWED \
+	"default=on|off, mode=detect|mitigate, prefix=DIR, rundir=DIR, retain=DAYS, python=PATH"
 
 /* An absolute path, no empty, '.' or '..' component, not "/" itself. */
 static int valid_abs_path(const char *value)
@@ -140,8 +143,10 @@ int gh_config_parse(struct gh_config *config, int ac, char **av, char *err, size
 				FAIL("mode='%s' is not allowed; use detect or mitigate", value);
 			break;
 		case KEY_PREFIX:
-		case KEY_RUNDIR: {
-			char *dst = config_keys[k].key == KEY_PREFIX ? config->prefix : config->rundir;
+		case KEY_RUNDIR:
+		case KEY_PYTHON: {
+			char *dst = config_keys[k].key == KEY_PREFIX ? config->prefix :
+				    config_keys[k].key == KEY_RUNDIR ? config->rundir : config->python;
 
 			if (!valid_abs_path(value) || copy_string(dst, PATH_MAX, value) < 0)
 				FAIL("%s='%s' must be an absolute path other than /, without empty, '.' or '..' components, shorter than %d characters",

@@ -30,6 +30,7 @@ struct gh_config {
 	char mode[GH_MODE_MAX_LEN];    /* detect | mitigate */
 	char prefix[PATH_MAX];         /* where greyhound is installed */
 	char rundir[PATH_MAX];         /* parent of the per-job run directories */
+	char python[PATH_MAX];         /* interpreter of the control plane; "" = none */
 	int retain_days;               /* a run directory is removed this long after its job */
 	int broken;                    /* the arguments did not parse: greyhound is off */
 };

@@ -83,24 +83,29 @@ int main(void)
 
 	/* Admin arguments: defaults first, every key checked, unknown keys refused. */
 	{
-		char *good[] = { "default=on", "mode=mitigate", "prefix=/opt/gh", "rundir=/scratch/gh", "retain=0" };
+		char *good[] = { "default=on", "mode=mitigate", "prefix=/opt/gh", "rundir=/scratch/gh", "retain=0",
+				 "python=/opt/gh/venv/bin/python" };
 		char *bad_key[] = { "defualt=on" };
 		char *bad_bool[] = { "default=perhaps" };
 		char *bad_path[] = { "rundir=relative" };
-		char *bad_paths[] = { "rundir=/", "rundir=/a/../b", "rundir=/a//b", "rundir=/a/.", "rundir=/a/", "prefix=" };
+		char *bad_paths[] = { "rundir=/", "rundir=/a/../b", "rundir=/a//b", "rundir=/a/.", "rundir=/a/", "prefix=",
+				      "python=", "python=bin/python", "python=/opt/../python", "python=/" };
 		char *bad_retain[] = { "retain=-1", "retain=7d", "retain=", "retain=3651", "retain= 7", "retain=99999999999" };
 		char *no_value[] = { "retain" };
 		char *retain_max[] = { "retain=3650" };
 
 		gh_config_defaults(&c);
 		CHECK(c.default_on == 0 && !strcmp(c.mode, "detect") && !strcmp(c.rundir, "/var/tmp/greyhound") &&
-		      c.retain_days == 7);
-		CHECK(gh_config_parse(&c, 5, good, err, 512) == 0 && c.default_on == 1 && !strcmp(c.mode, "mitigate") &&
-		      !strcmp(c.prefix, "/opt/gh") && !strcmp(c.rundir, "/scratch/gh") && c.retain_days == 0);
+		      c.retain_days == 7 && c.python[0] == '\0');
+		CHECK(gh_config_parse(&c, 6, good, err, 512) == 0 && c.default_on == 1 && !strcmp(c.mode, "mitigate") &&
+		      !strcmp(c.prefix, "/opt/gh") && !strcmp(c.rundir, "/scratch/gh") && c.retain_days == 0 &&
+		      !strcmp(c.python, "/opt/gh/venv/bin/python"));
 		CHECK(gh_config_parse(&c, 1, bad_key, err, 512) < 0 &&
 		      !strncmp(err, "unknown argument 'defualt=on'; allowed: default=on|off", 52));
 		CHECK(gh_config_parse(&c, 1, bad_bool, err, 512) < 0 && strstr(err, "default='perhaps' is not allowed"));
 		CHECK(gh_config_parse(&c, 1, bad_path, err, 512) < 0 && strstr(err, "rundir='relative' must be an absolute path"));
+		CHECK(gh_config_parse(&c, 1, bad_paths + 7, err, 512) < 0 &&
+		      !strncmp(err, "python='bin/python' must be an absolute path other than /", 57));
 		for (size_t i = 0; i < sizeof(bad_paths) / sizeof(bad_paths[0]); i++)
 			CHECK(gh_config_parse(&c, 1, bad_paths + i, err, 512) < 0 && strstr(err, "must be an absolute path"));
 		for (size_t i = 0; i < sizeof(bad_retain) / sizeof(bad_retain[0]); i++)

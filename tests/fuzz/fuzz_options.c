@@ -93,6 +93,7 @@ static void fuzz_config(char *text)
 	CHECK(valid_mode(c.mode));
 	CHECK(c.prefix[0] == '/' && c.rundir[0] == '/' && strcmp(c.rundir, "/") != 0);
 	CHECK(strstr(c.rundir, "//") == NULL && strstr(c.rundir, "/../") == NULL);
+	CHECK(c.python[0] == '\0' || (c.python[0] == '/' && strcmp(c.python, "/") != 0 && !strstr(c.python, "//")));
 	CHECK(c.retain_days >= 0 && c.retain_days <= GH_RETAIN_DAYS_MAX);
 }
 
