@@ -22,6 +22,8 @@ pytestmark = pytest.mark.cluster
 PLUGSTACK_ENTRY = Path("/etc/slurm/plugstack.conf.d/greyhound.conf")
 CLUSTER_LOGS = Path(os.environ.get("GREYHOUND_CLUSTER_STATE", "/var/lib/greyhound-cluster")) / "log"
 NOBODY = pwd.getpwnam("nobody")
+# What a job's control plane writes into its run directory (greyhound/control/).
+CONTROL_PLANE_FILES = ("control-plane.log", "events.jsonl", "redis.")
 # Far above any id Slurm hands out (MaxJobId is below 0x04000000): never a real job's.
 FAKE_JOB_ID_BASE = 4_100_000_000
 
@@ -156,7 +158,10 @@ srun --ntasks=2 --nodes=2 true
     assert job.wait() == "COMPLETED", job.text()
     run_dir = rundir / job.job_id
     wait_until(lambda: not any(run_dir.glob("ring.*")), 60, f"the rings in {run_dir} to go (job epilog)")
-    assert sorted(p.name for p in run_dir.iterdir()) == ["options", "timeline"]
+    # What stays: the options, the timeline and the control plane's files (its log,
+    # events, Redis files; none where the plugstack has no python=).
+    left = sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(CONTROL_PLANE_FILES))
+    assert left == ["options", "timeline"]
     assert (run_dir / "timeline/rank-0.jsonl").read_text() == "{}\n"
     assert (rundir / f"{job.job_id}.end").is_file()
     assert secret_intact(root_secret)

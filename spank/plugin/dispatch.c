@@ -59,6 +59,19 @@ int slurm_spank_init_post_opt(spank_t sp, int ac, char **av)
 	}
 }
 
+/*
+ * Remote context only: in each task, as the job's user, just before exec (the batch
+ * step's task starts the job's control plane here).
+ */
+int slurm_spank_task_init(spank_t sp, int ac, char **av)
+{
+	(void)ac;
+	(void)av;
+	if (spank_context() != S_CTX_REMOTE)
+		return 0;
+	return gh_remote_task_init(sp);
+}
+
 /* Job-script context only: as root on each node of every job when it ends. */
 int slurm_spank_job_epilog(spank_t sp, int ac, char **av)
 {

@@ -24,6 +24,8 @@
 #define GH_RETAIN_DAYS_DEFAULT 7 /* retain=: days a run directory stays after its job */
 #define GH_RETAIN_DAYS_MAX 3650
 #define GH_ERR_LEN 512 /* one message line */
+/* Set in the environment of the control plane's own processes: never recorded. */
+#define GH_CONTROL_PLANE_ENV "GREYHOUND_CONTROL_PLANE"
 
 struct gh_config {
 	int default_on;                /* 1: every job unless --greyhound=off */
@@ -62,6 +64,7 @@ int gh_local_init_post_opt(void);
 
 /* pathlist.c */
 int gh_path_prepend(char *out, size_t out_len, const char *entry, const char *current, const char *separators);
+const char *gh_path_unprepend(const char *entry, const char *current);
 
 /* rundir.c: the run directories, by file descriptor (see the file's comment) */
 int gh_rundir_open(const char *rundir, int create, char *err, size_t err_len);
@@ -76,6 +79,11 @@ int gh_remove_tree_at(int parent_fd, const char *name);
 
 /* remote.c */
 int gh_remote_init_post_opt(spank_t sp);
+int gh_remote_task_init(spank_t sp);
+
+/* controlplane.c */
+int gh_control_plane_start(const char *python, char *const *job_env, const char *hook, const char *capture,
+			   pid_t *pid_out, char *err, size_t err_len);
 
 /* jobscript.c */
 int gh_job_epilog(spank_t sp, int ac, char **av);

@@ -67,3 +67,23 @@ int gh_path_prepend(char *out, size_t out_len, const char *entry, const char *cu
 		out[entry_len] = '\0'; /* only copies of our entry: drop the ':' too */
 	return 0;
 }
+
+/*
+ * The inverse of gh_path_prepend for the control plane (controlplane.c), whose
+ * processes must not load what greyhound put in front of the user's value: NULL when
+ * current is our entry alone (the user had it unset or empty: leave it unset), the
+ * user's value exactly as it was when current starts with our entry and its ':', and
+ * current itself otherwise (not ours to edit).
+ */
+const char *gh_path_unprepend(const char *entry, const char *current)
+{
+	size_t entry_len = strlen(entry);
+
+	if (strncmp(current, entry, entry_len) != 0)
+		return current;
+	if (current[entry_len] == '\0')
+		return NULL;
+	if (current[entry_len] == ':')
+		return current + entry_len + 1;
+	return current;
+}

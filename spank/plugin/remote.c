@@ -7,7 +7,18 @@
  *     descriptor; mode 0700, owned by the job's user, fresh for a reused job id);
  *   - export GREYHOUND_* into the job's environment;
  *   - prepend the hook to LD_PRELOAD and the Python capture to PYTHONPATH, keeping
- *     the user's own value exactly after it (pathlist.c).
+ *     the user's own value exactly after it (pathlist.c); not in the control plane's
+ *     own step (GREYHOUND_CONTROL_PLANE=1 in its environment), whose MPI calls must
+ *     not be recorded.
+ * In slurm_spank_task_init of the batch step (its one task, as the job's user, just
+ * before the batch script is exec'd), once per job: start the job's control plane,
+ * `<python=> -I -m greyhound.control.launch`, as a child of the batch script
+ * (controlplane.c). task_init, not user_init: user_init runs in slurmstepd itself,
+ * multithreaded (its child would carry slurmstepd's fds and signal mask, and be a
+ * sibling of the script outside the task's cgroup); task_init runs in the task, a
+ * fork of slurmstepd already running as the user, in the job's cgroup, with the
+ * task's environment and the job's stdout/stderr, so that its child is the script's
+ * child (proctrack/linuxproc ends the descendants of the step's slurmstepd).
  * Any failure is logged once and leaves the job as if greyhound were not there.
  */
 #include <errno.h>
@@ -20,9 +31,23 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+#include <slurm/slurm.h> /* SLURM_BATCH_SCRIPT */
+
 #include "greyhound.h"
 
 #define GH_ENV_MAX (64 * 1024) /* longest LD_PRELOAD/PYTHONPATH handled */
+
+/*
+ * What init_post_opt (in slurmstepd) leaves for task_init (in the task it forks):
+ * whether this is the batch step of a job that gets a control plane, and the entries
+ * it put in front of LD_PRELOAD and PYTHONPATH ("" when none).
+ */
+static struct {
+	int start_plane;
+	uint32_t job_id;
+	char hook[PATH_MAX];
+	char capture[PATH_MAX];
+} remote;
 
 static int set_env(spank_t sp, const char *name, const char *value)
 {
@@ -88,11 +113,19 @@ fail:
 	return rv;
 }
 
+/* The control plane's own step: srun started by launch.py marks its environment. */
+static int is_control_plane_step(spank_t sp)
+{
+	char value[8];
+
+	return spank_getenv(sp, GH_CONTROL_PLANE_ENV, value, sizeof(value)) == ESPANK_SUCCESS && !strcmp(value, "1");
+}
+
 int gh_remote_init_post_opt(spank_t sp)
 {
 	char job_id_str[16], run_dir[PATH_MAX], path[PATH_MAX], err[GH_ERR_LEN] = "";
-	int n, rundir_fd = -1, job_fd = -1;
-	uint32_t job_id;
+	int n, rundir_fd = -1, job_fd = -1, plane_step;
+	uint32_t job_id, step_id;
 	uid_t uid;
 	gid_t gid;
 
@@ -130,22 +163,69 @@ int gh_remote_init_post_opt(spank_t sp)
 	if (gh_options.report[0] && set_env(sp, "GREYHOUND_REPORT_DIR", gh_options.report) < 0)
 		goto out;
 
+	/* Its GREYHOUND_* as any step's; the search paths as the user left them. */
+	if ((plane_step = is_control_plane_step(sp)))
+		goto plane;
+
 	n = snprintf(path, sizeof(path), "%s/" GH_LIBDIR "/" GH_HOOK_LIB, gh_config.prefix);
 	if (n < 0 || (size_t)n >= sizeof(path))
 		slurm_error("greyhound: remote: hook path too long; calls are not recorded");
 	else if (access(path, R_OK) < 0)
 		slurm_info("greyhound: remote: %s: %s; calls are not recorded", path, strerror(errno));
-	else
-		prepend_env(sp, "LD_PRELOAD", path, ": "); /* ld.so(8): ':' or ' ' separate */
+	else if (prepend_env(sp, "LD_PRELOAD", path, ": ") == 0) /* ld.so(8): ':' or ' ' separate */
+		strcpy(remote.hook, path);
 
 	/* Python capture for backends the C hook cannot see (gloo): a sitecustomize. */
 	n = snprintf(path, sizeof(path), "%s/" GH_LIBDIR "/python", gh_config.prefix);
-	if (n >= 0 && (size_t)n < sizeof(path) && access(path, R_OK | X_OK) == 0)
-		prepend_env(sp, "PYTHONPATH", path, ":");
+	if (n >= 0 && (size_t)n < sizeof(path) && access(path, R_OK | X_OK) == 0 &&
+	    prepend_env(sp, "PYTHONPATH", path, ":") == 0)
+		strcpy(remote.capture, path);
+plane:
+	/* The batch step starts the job's control plane in its task (task_init). */
+	if (plane_step || spank_get_item(sp, S_JOB_STEPID, &step_id) != ESPANK_SUCCESS ||
+	    step_id != SLURM_BATCH_SCRIPT)
+		goto out;
+	if (!gh_config.python[0]) {
+		slurm_info("greyhound: remote: no python= in plugstack.conf; no control plane for job %u (online "
+			   "detection is off, calls are still recorded)", job_id);
+		goto out;
+	}
+	remote.start_plane = 1;
+	remote.job_id = job_id;
 out:
 	if (job_fd >= 0)
 		close(job_fd);
 	if (rundir_fd >= 0)
 		close(rundir_fd);
+	return 0;
+}
+
+/*
+ * Each task, as the job's user, just before exec. In the batch step of an enabled job
+ * (init_post_opt decided), the control plane starts here, once: the batch step has
+ * one task. A failure is one line in the job's output, where its user looks, and the
+ * script runs on.
+ */
+int gh_remote_task_init(spank_t sp)
+{
+	char err[GH_ERR_LEN] = "";
+	char **env = NULL;
+	pid_t pid;
+
+	if (!remote.start_plane)
+		return 0;
+	remote.start_plane = 0;
+	if (spank_get_item(sp, S_JOB_ENV, &env) != ESPANK_SUCCESS || env == NULL) {
+		snprintf(err, sizeof(err), "cannot get the job's environment");
+		goto fail;
+	}
+	if (gh_control_plane_start(gh_config.python, env, remote.hook, remote.capture, &pid, err, sizeof(err)) < 0)
+		goto fail;
+	slurm_verbose("greyhound: remote: job %u: control plane launcher started (pid %ld): %s -I -m "
+		      "greyhound.control.launch", remote.job_id, (long)pid, gh_config.python);
+	return 0;
+fail:
+	slurm_error("greyhound: remote: control plane not started for job %u: %s; the job runs without online "
+		    "detection", remote.job_id, err);
 	return 0;
 }

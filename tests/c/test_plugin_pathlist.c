@@ -1,6 +1,7 @@
 /*
  * Unit test of gh_path_prepend (spank/plugin/pathlist.c): greyhound's entry first, the
- * user's PYTHONPATH / LD_PRELOAD exactly as it was after it. Built with ASan/UBSan by
+ * user's PYTHONPATH / LD_PRELOAD exactly as it was after it; and of gh_path_unprepend,
+ * its inverse for the control plane's processes. Built with ASan/UBSan by
  * tests/test_plugin_config.py. Prints "N passed, N failed".
  */
 #include <stdio.h>
@@ -9,6 +10,19 @@
 #include "greyhound.h"
 
 static int passed, failed;
+
+/* gh_path_unprepend gives the user's value back: want NULL = unset. */
+static void expect_unprepend(const char *current, const char *want)
+{
+	const char *got = gh_path_unprepend("/gh/python", current);
+
+	if ((got == NULL && want == NULL) || (got && want && !strcmp(got, want))) {
+		passed++;
+		return;
+	}
+	failed++;
+	fprintf(stderr, "FAIL: unprepend '%s': got %s, want %s\n", current, got ? got : "NULL", want ? want : "NULL");
+}
 
 static void expect(const char *current, const char *separators, const char *want)
 {
@@ -67,6 +81,24 @@ int main(void)
 		passed++;
 	else
 		failed++, fprintf(stderr, "FAIL: 15 characters fit in 16 bytes\n");
+
+	/* The inverse: whatever the user had, exactly, once our entry comes off. */
+	{
+		const char *users[] = { "/a dir with spaces", ":/lead", "/trail:", ":", "::", "/x y:/z", "libu.so  libv.so" };
+
+		for (size_t i = 0; i < sizeof(users) / sizeof(users[0]); i++) {
+			char out[256];
+
+			gh_path_prepend(out, sizeof(out), "/gh/python", users[i], i < 5 ? py : ld);
+			expect_unprepend(out, users[i]);
+		}
+	}
+	expect_unprepend("/gh/python", NULL); /* the user had it unset (or empty): unset */
+	/* Not ours in front (a task prolog, the user's own edit): left as it is. */
+	expect_unprepend("/a:/gh/python", "/a:/gh/python");
+	expect_unprepend("/gh/python2:/a", "/gh/python2:/a");
+	expect_unprepend("/gh/python /a", "/gh/python /a");
+	expect_unprepend("", "");
 
 	printf("%d passed, %d failed\n", passed, failed);
 	return failed != 0;
