@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from greyhound.control.validate import (
-    RankClock, gemm_size, judge_gemm, judge_links, pause_iterations, pause_lead_s, reference_ranks,
+    RankClock, judge_gemm, judge_links, pause_iterations, pause_lead_s, reference_ranks,
 )
 
 
@@ -33,11 +33,6 @@ def test_the_lead_covers_the_agents_polls_and_two_slow_iterations():
     clocks = [RankClock(rank=0, iteration=1, started_s=0, iteration_s=0.2),
               RankClock(rank=1, iteration=1, started_s=0, iteration_s=0.5)]
     assert pause_lead_s(clocks, poll_s=0.5) == pytest.approx(2.0)
-
-
-@pytest.mark.parametrize("calibration_s, n", [(0.2, 256), (0.025, 512), (0.2 * 8 ** 3, 64), (1e-6, 4096)])
-def test_gemm_size_scales_as_the_cube_root(calibration_s, n):
-    assert gemm_size(calibration_s) == n
 
 
 def test_references_are_healthy_and_spread():

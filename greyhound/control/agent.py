@@ -4,7 +4,8 @@ One agent runs on each node of the job (one rank of the control plane's MPI worl
 Every poll it
 
 1. opens the rings that appeared in the run directory and belong to this node (the
-   ring header names the Slurm node its writer ran on), one per training process;
+   ring header names the Slurm node its writer ran on: emulated nodes share a host
+   and a run directory), one per training process;
 2. reads what each ring gained since the last poll and feeds it to that process's
    tracker (:class:`greyhound.analytics.tracker.RankTracker`: period, iteration
    numbering, BOCD+V, lost records);
@@ -107,7 +108,7 @@ class NodeAgent:
             except RingError as exc:   # not ready yet (magic written last), or not ours
                 log.debug("%s", exc)
                 continue
-            if reader.info.hostname != self.node:
+            if reader.info.node != self.node:
                 reader.close()
                 self._foreign.add(path)
                 continue

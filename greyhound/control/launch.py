@@ -73,7 +73,7 @@ def main() -> int:
         except InterruptedError:
             continue
     started = (Path(run_dir) / ADDRESS_FILE).exists()     # the master had its Redis up
-    if rc != 0 and not ending and not started:
+    if not ending and not started:
         why = _last_line(log_path) or f"srun exited with status {rc}"
         print(f"greyhound: control plane not started: {why} (see {log_path}); the job runs without online "
               "detection", file=sys.stderr)

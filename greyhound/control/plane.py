@@ -28,6 +28,7 @@ from greyhound.control import store
 from greyhound.control.agent import AgentConfig, NodeAgent
 from greyhound.control.events import append_event
 from greyhound.control.master import Master, MasterConfig
+from greyhound.control.pause import validation_round
 
 log = logging.getLogger("greyhound.control")
 
@@ -82,37 +83,65 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
     master = None
     try:
         if comm.rank == 0:
-            master = Master(run_dir, client, nodes=nodes, config=config.master)
+            master = Master(run_dir, client, nodes=nodes, config=config.master, poll_s=config.agent.poll_s)
             append_event(run_dir, "control_plane_started", master_node=node, nodes=nodes,
                          poll_s=config.agent.poll_s, pid=os.getpid())
-        while True:
+        while not stop.requested:
             t0 = time.monotonic()
             agent.poll()
             agent.publish(client)
-            comm.Barrier()          # every agent has published this poll
+            if not _together(comm, stop):       # every agent has published this poll
+                break
+            request = None
             if master is not None:
                 master.step()
-            if comm.allreduce(stop.requested, op=MPI.LOR):
-                break
+                request = master.take_request()
+            if _bcast_flag(comm, request is not None, stop):
+                outcome = validation_round(comm, agent, comm.bcast(request, root=0), nodes=nodes)
+                if master is not None:
+                    master.complete_validation(outcome)
             time.sleep(max(0.0, config.agent.poll_s - (time.monotonic() - t0)))
     except Exception as exc:
-        if stop.requested:          # the job is ending: Redis or a peer went first
-            return 0
-        log.debug("control plane failed", exc_info=True)
-        print(f"greyhound: control plane: {node}: {type(exc).__name__}: {exc}; the job runs on without it",
-              file=sys.stderr, flush=True)
-        if comm.rank == 0:
-            _mark(client, run_dir, "failed", why=f"{type(exc).__name__}: {exc}")
-        return 0
+        agent.resume()
+        if not stop.requested:      # at the job's end Redis or a peer may go first: not a failure
+            log.debug("control plane failed", exc_info=True)
+            print(f"greyhound: control plane: {node}: {type(exc).__name__}: {exc}; the job runs on without it",
+                  file=sys.stderr, flush=True)
+            if comm.rank == 0:
+                _mark(client, run_dir, "failed", why=f"{type(exc).__name__}: {exc}")
     finally:
         agent.resume()
         agent.close()
     if comm.rank == 0:
-        _mark(client, run_dir, "stopped")
+        if stop.requested:
+            _mark(client, run_dir, "stopped")
         from greyhound.control.redis_server import stop_redis
 
         stop_redis(redis_proc)
     return 0
+
+
+def _together(comm, stop: _Stop) -> bool:
+    """A barrier that a stop request (the job ending) interrupts: False then."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        if stop.requested:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def _bcast_flag(comm, flag: bool, stop: _Stop) -> bool:
+    """Rank 0's flag on every rank (False when a stop request interrupts it)."""
+    import numpy as np
+
+    buf = np.array([1 if flag else 0], dtype=np.int8)
+    req = comm.Ibcast(buf, root=0)
+    while not req.Test():
+        if stop.requested:
+            return False
+        time.sleep(0.002)
+    return bool(buf[0])
 
 
 def _mark(client, run_dir: Path, state: str, **fields) -> None:
@@ -123,14 +152,14 @@ def _mark(client, run_dir: Path, state: str, **fields) -> None:
     append_event(run_dir, "control_plane_stopped" if state == "stopped" else "control_plane_failed", **fields)
 
 
-def main() -> int:
+def main() -> None:
     logging.basicConfig(level=os.environ.get("GREYHOUND_LOG_LEVEL", "WARNING"),
                         format="greyhound: control plane: %(message)s")
     stop = _Stop()
     run_dir = os.environ.get("GREYHOUND_RUN_DIR")
     if not run_dir:
         print("greyhound: control plane: GREYHOUND_RUN_DIR is not set; nothing to watch", file=sys.stderr)
-        return 0
+        return
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     try:
         poll_s = float(os.environ.get("GREYHOUND_POLL_S", "0.5"))
@@ -139,12 +168,16 @@ def main() -> int:
         print(f"greyhound: control plane: GREYHOUND_POLL_S: {exc}; using 0.5", file=sys.stderr)
         config = PlaneConfig()
     try:
-        return run(Path(run_dir), node=node, config=config, stop=stop)
+        run(Path(run_dir), node=node, config=config, stop=stop)
     except Exception as exc:   # fail open, always
         print(f"greyhound: control plane: {type(exc).__name__}: {exc}; the job runs on without it",
               file=sys.stderr, flush=True)
-        return 0
+    # No MPI_Finalize: at the job's end a peer may already be gone, and finalize would
+    # wait for it until Slurm kills this process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

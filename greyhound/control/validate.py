@@ -11,7 +11,8 @@ gate to hold the rank there. No parked rank then owes a blocked one anything.
 
 The tests, while every rank is parked:
 - a GEMM in each suspect rank's own process (its CPU set, cgroup, device), sized to
-  take about ``GEMM_TARGET_S`` when healthy, and the same GEMM on reference ranks; a
+  take about 0.2 s on the reference ranks (greyhound.ring.bench_n_for), and the same
+  GEMM on those reference ranks; a
   suspect is confirmed when it takes more than ``GEMM_SLOW_RATIO`` times the
   references' median;
 - P2P bandwidth along the links the job uses, in node-disjoint passes (links.py,
@@ -21,14 +22,9 @@ The tests, while every rank is parked:
 from __future__ import annotations
 
 import dataclasses
-import math
-
 import numpy as np
 
-GEMM_TARGET_S = 0.2
 GEMM_SLOW_RATIO = 1.3
-GEMM_CALIBRATION_N = 256
-GEMM_MIN_N, GEMM_MAX_N = 64, 4096
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,15 +61,6 @@ def pause_lead_s(clocks: list[RankClock], *, poll_s: float) -> float:
     reaches that iteration, so a couple of polls and two iterations of the slowest rank."""
     slowest = max((c.iteration_s for c in clocks), default=0.0)
     return 2 * poll_s + 2 * slowest
-
-
-def gemm_size(calibration_s: float, *, n0: int = GEMM_CALIBRATION_N, target_s: float = GEMM_TARGET_S) -> int:
-    """The GEMM size that takes about target_s, from the time of an n0 x n0 GEMM (time
-    grows as n^3)."""
-    if not calibration_s > 0:
-        return n0
-    n = n0 * (target_s / calibration_s) ** (1 / 3)
-    return int(min(GEMM_MAX_N, max(GEMM_MIN_N, 16 * math.floor(n / 16))))
 
 
 def reference_ranks(suspects: list[int], ranks: list[int], *, count: int = 2) -> list[int]:

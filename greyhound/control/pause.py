@@ -1,0 +1,129 @@
+"""One validation round, carried out by every agent of the control plane together.
+
+Collective over the plane's MPI world (every rank calls :func:`validation_round` with
+the master's request, broadcast from rank 0):
+
+1. every agent reports where each of its ranks stands (tracker clocks); rank 0 picks
+   the common future iteration (validate.pause_iterations) and every agent sets each
+   rank's gate before that iteration's first call;
+2. the agents wait until every rank is parked there (or give up after a deadline:
+   then everything resumes and the round says the pause failed);
+3. GEMMs run one rank at a time in the parked ranks' own processes: a probe on the
+   reference ranks sizes the test to about 0.2 s, then suspects and references run it;
+4. P2P tests run along the job's links, pass by pass;
+5. every rank resumes; rank 0 returns the measurements and judgements.
+
+Whatever fails, every gate this agent set is cleared before it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from greyhound.control import p2p, validate
+from greyhound.ring import BENCH_OK, BENCH_PROBE_N, bench_n_for
+
+log = logging.getLogger(__name__)
+
+PARK_TIMEOUT_MIN_S = 10.0
+BENCH_TIMEOUT_S = 10.0
+
+
+def _local(agent) -> dict[int, object]:
+    """rank -> its process (the newest ring of the rank on this node)."""
+    return {proc.reader.info.rank: proc for proc in agent.processes.values() if proc.reader.info.rank >= 0}
+
+
+def validation_round(comm, agent, request: dict, *, nodes: list[str]) -> dict | None:
+    """Runs the round; the result on rank 0 (None elsewhere)."""
+    local = _local(agent)
+    try:
+        return _round(comm, agent, local, request, nodes=nodes)
+    finally:
+        for proc in local.values():
+            proc.reader.resume()
+
+
+def _round(comm, agent, local: dict, request: dict, *, nodes: list[str]) -> dict | None:
+    root = comm.rank == 0
+    clocks = [c for cs in comm.allgather([proc.tracker.clock(rank) for rank, proc in local.items()])
+              for c in cs if c is not None]
+    plan = None
+    if root:
+        try:
+            at_s = time.time() + validate.pause_lead_s(clocks, poll_s=request["poll_s"])
+            plan = {"iterations": validate.pause_iterations(clocks, at_s=at_s), "at_s": at_s,
+                    "deadline_s": at_s + max(PARK_TIMEOUT_MIN_S, 5 * max(c.iteration_s for c in clocks))}
+        except ValueError as exc:
+            plan = {"error": str(exc)}
+    plan = comm.bcast(plan, root=0)
+    if "error" in plan:
+        return {"paused": False, "why": plan["error"]} if root else None
+    for rank, proc in local.items():
+        proc.reader.pause(at_call=proc.tracker.call_index(plan["iterations"][rank]))
+    t_pause = time.time()
+    while True:
+        mine = all(proc.reader.parked > 0 for proc in local.values())
+        everyone = comm.allreduce(mine, op=_land())
+        late = comm.allreduce(time.time() > plan["deadline_s"], op=_lor())
+        if everyone or late:
+            break
+        time.sleep(0.02)
+    t_parked = time.time()
+    if not everyone:
+        return {"paused": False, "why": "not every rank reached the pause iteration in time",
+                "waited_s": round(t_parked - t_pause, 3)} if root else None
+    gemm = _gemm(comm, local, request)
+    bandwidth = {}
+    for part in comm.allgather(p2p.measure_passes(comm, agent.node, request["passes"], nodes=nodes)):
+        bandwidth.update(part)
+    for proc in local.values():
+        proc.reader.resume()
+    t_resumed = time.time()
+    if not root:
+        return None
+    slow = p2p.slow_links(bandwidth)
+    results = validate.judge_gemm(gemm["times_s"], suspects=request["gemm_suspects"],
+                                  references=request["gemm_references"])
+    results += validate.judge_links(slow, suspect_nodes=[tuple(n) for n in request["link_suspects"]])
+    return {"paused": True, "pause_s": round(t_resumed - t_parked, 3), "park_s": round(t_parked - t_pause, 3),
+            "gemm": gemm, "bandwidth_Bps": bandwidth, "slow_links": slow, "results": results}
+
+
+def _bench_on(comm, local: dict, rank: int, n: int) -> float | None:
+    """The GEMM of size n in rank's process (the agent that has it runs it), everywhere."""
+    t = None
+    if rank in local:
+        reader = local[rank].reader
+        epoch = reader.request_bench(n)
+        deadline = time.monotonic() + BENCH_TIMEOUT_S
+        while (detail := reader.bench_detail(epoch)) is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        t = detail.wall_s if detail is not None and detail.status == BENCH_OK else None
+    found = [x for x in comm.allgather(t) if x is not None]
+    return found[0] if found else None
+
+
+def _gemm(comm, local: dict, request: dict) -> dict:
+    refs, suspects = request["gemm_references"], request["gemm_suspects"]
+    if not suspects:
+        return {"n": None, "times_s": {}}
+    probes = [p for p in (_bench_on(comm, local, r, BENCH_PROBE_N) for r in refs) if p]
+    n = bench_n_for(float(np.median(probes))) if probes else BENCH_PROBE_N
+    times = {r: _bench_on(comm, local, r, n) for r in [*suspects, *refs]}
+    return {"n": n, "times_s": {r: t for r, t in times.items() if t is not None}}
+
+
+def _land():
+    from mpi4py import MPI
+
+    return MPI.LAND
+
+
+def _lor():
+    from mpi4py import MPI
+
+    return MPI.LOR
