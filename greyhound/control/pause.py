@@ -21,8 +21,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
-
 from greyhound.control import p2p, validate
 from greyhound.ring import BENCH_OK, BENCH_PROBE_N, bench_n_for
 
@@ -30,6 +28,7 @@ log = logging.getLogger(__name__)
 
 PARK_TIMEOUT_MIN_S = 10.0
 BENCH_TIMEOUT_S = 10.0
+PROBES = 3
 
 
 def _local(agent) -> dict[int, object]:
@@ -62,11 +61,14 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str]) -> dict
     plan = comm.bcast(plan, root=0)
     if "error" in plan:
         return {"paused": False, "why": plan["error"]} if root else None
+    targets = {rank: proc.tracker.call_index(plan["iterations"][rank]) for rank, proc in local.items()}
     for rank, proc in local.items():
-        proc.reader.pause(at_call=proc.tracker.call_index(plan["iterations"][rank]))
+        proc.reader.pause(at_call=targets[rank])
     t_pause = time.time()
     while True:
-        mine = all(proc.reader.parked > 0 for proc in local.values())
+        # Parked where asked: a rank that had already passed its call parks at a later
+        # one, out of step with the others, and the round must not count it.
+        mine = all(proc.reader.parked_at_call == targets[rank] for rank, proc in local.items())
         everyone = comm.allreduce(mine, op=_land())
         late = comm.allreduce(time.time() > plan["deadline_s"], op=_lor())
         if everyone or late:
@@ -111,8 +113,11 @@ def _gemm(comm, local: dict, request: dict) -> dict:
     refs, suspects = request["gemm_references"], request["gemm_suspects"]
     if not suspects:
         return {"n": None, "times_s": {}}
-    probes = [p for p in (_bench_on(comm, local, r, BENCH_PROBE_N) for r in refs) if p]
-    n = bench_n_for(float(np.median(probes))) if probes else BENCH_PROBE_N
+    # The fastest of a few probes per reference: one 256 probe takes milliseconds and
+    # varies by a third on a shared machine.
+    probes = [p for p in (_bench_on(comm, local, r, BENCH_PROBE_N) for r in refs for _ in range(PROBES))
+              if p]
+    n = bench_n_for(min(probes)) if probes else BENCH_PROBE_N
     times = {r: _bench_on(comm, local, r, n) for r in [*suspects, *refs]}
     return {"n": n, "times_s": {r: t for r, t in times.items() if t is not None}}
 
