@@ -25,8 +25,8 @@ def test_healthy_groups_give_no_suspect():
     assert find_suspects(dp_groups({}), rank_nodes=NODES, iteration_s=IT) == []
 
 
-def test_the_late_arriver_is_the_compute_suspect():
-    # rank 5's peer (rank 1) waits 0.4 s in the allreduce: rank 5 arrives last.
+def test_the_rank_that_computes_longer_than_its_peer_is_the_compute_suspect():
+    # Rank 5 computes 0.4 s longer; its DP peer (rank 1) waits that long in the allreduce.
     suspects = find_suspects(dp_groups({1: 0.50, 5: 0.10}), rank_nodes=NODES, iteration_s=IT)
     assert [(s.kind, s.ranks, s.nodes) for s in suspects] == [("compute", (5,), ("n3",))]
     assert abs(suspects[0].score - 0.40) < 1e-9
@@ -41,9 +41,10 @@ def test_a_group_slower_than_its_cluster_is_a_link_suspect():
 
 def test_groups_moving_other_bytes_are_not_compared():
     stats = dp_groups({})
-    stats[2]["pp"] = {"bytes_per_iter": 1e3, "seconds_per_iter": 0.5, "op": "Send"}
-    stats[3]["pp"] = {"bytes_per_iter": 1e3, "seconds_per_iter": 0.5, "op": "Recv"}
-    assert find_suspects(stats, rank_nodes=NODES, iteration_s=IT) == []
+    for r in NODES:     # every rank also has a p2p link of its own size and speed
+        stats[r][f"pp{r}"] = {"bytes_per_iter": 1e3 * (r + 1), "seconds_per_iter": 0.05 * (r + 1), "op": "Send"}
+    it = {r: 1.0 + 0.05 * (r + 1) for r in NODES}
+    assert find_suspects(stats, rank_nodes=NODES, iteration_s=it) == []
 
 
 def test_a_small_wait_is_jitter_not_a_straggler():

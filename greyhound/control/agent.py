@@ -9,8 +9,8 @@ Every poll it
 2. reads what each ring gained since the last poll and feeds it to that process's
    tracker (:class:`greyhound.analytics.tracker.RankTracker`: period, iteration
    numbering, BOCD+V, lost records);
-3. sums each communicator's calls over a window of recent polls: bytes, seconds and
-   calls per iteration, for the master's comparison of groups that move the same bytes
+3. sums each communicator's calls over the last iterations: bytes, seconds and calls
+   per iteration, for the master's comparison of groups that move the same bytes
    (a collective's duration on the rank that arrives last is its transfer time; on the
    others it includes the wait, so the member with the shortest durations arrives last);
 4. publishes each rank's state and new iteration times (store.py says where).
@@ -21,7 +21,6 @@ pause, which it carries out for the ranks of its node (:meth:`NodeAgent.pause`).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import os
@@ -30,8 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from greyhound.analytics.tracker import RankTracker
 from greyhound.control import store
-from greyhound.ring import CALL_OPS, OP_NAMES, RingError, RingReader, ring_paths
+from greyhound.control.validate import RankClock
+from greyhound.ring import OP_NAMES, RingError, RingReader, ring_paths
 
 log = logging.getLogger(__name__)
 
@@ -40,63 +41,34 @@ log = logging.getLogger(__name__)
 class AgentConfig:
     poll_s: float = 0.5
     """Seconds between polls of the rings (at most 1 s keeps detection within seconds)."""
-    comm_window_polls: int = 20
-    """Polls the per-communicator sums cover."""
+    comm_window_iterations: int = 10
+    """Iterations the per-communicator figures cover."""
 
     def __post_init__(self) -> None:
         if not 0 < self.poll_s <= 10:
             raise ValueError(f"poll_s={self.poll_s} must be in (0, 10] seconds")
-        if self.comm_window_polls < 1:
-            raise ValueError(f"comm_window_polls={self.comm_window_polls} must be >= 1")
+        if self.comm_window_iterations < 1:
+            raise ValueError(f"comm_window_iterations={self.comm_window_iterations} must be >= 1")
 
 
 @dataclasses.dataclass
 class _Process:
-    """One training process on this node: its ring, its tracker, its recent comm sums."""
+    """One training process on this node: its ring and its tracker."""
 
     reader: RingReader
-    tracker: object
-    comm_window: collections.deque
+    tracker: RankTracker
     published_iterations: int = 0
-
-
-def comm_sums(records: np.ndarray) -> dict[int, np.ndarray]:
-    """Per communicator: [bytes, seconds, calls] of the call records, shape (3,) each."""
-    calls = records[np.isin(records["op"], list(CALL_OPS))]
-    out: dict[int, np.ndarray] = {}
-    if len(calls) == 0:
-        return out
-    seconds = (calls["t_end_ns"].astype(np.int64) - calls["t_start_ns"].astype(np.int64)).clip(min=0) / 1e9
-    comms, inverse = np.unique(calls["comm_id"], return_inverse=True)
-    for i, comm in enumerate(comms):
-        mine = inverse == i
-        out[int(comm)] = np.array([float(calls["size_bytes"][mine].sum()), float(seconds[mine].sum()),
-                                   float(mine.sum())])
-    return out
-
-
-def comm_ops(records: np.ndarray) -> dict[int, str]:
-    """The op name each communicator's calls are mostly of."""
-    calls = records[np.isin(records["op"], list(CALL_OPS))]
-    out = {}
-    for comm in np.unique(calls["comm_id"]):
-        ops, counts = np.unique(calls["op"][calls["comm_id"] == comm], return_counts=True)
-        out[int(comm)] = OP_NAMES[int(ops[np.argmax(counts)])]
-    return out
 
 
 class NodeAgent:
     """The rings of one node and their trackers."""
 
-    def __init__(self, run_dir: str | os.PathLike, node: str, *, tracker_factory,
-                 config: AgentConfig | None = None) -> None:
+    def __init__(self, run_dir: str | os.PathLike, node: str, *, config: AgentConfig | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.node = node
         self.config = config or AgentConfig()
-        self._tracker_factory = tracker_factory
         self.processes: dict[Path, _Process] = {}
         self._foreign: set[Path] = set()
-        self._ops: dict[int, str] = {}
 
     def discover(self) -> None:
         """Opens the rings of this node that appeared since the last call."""
@@ -112,8 +84,7 @@ class NodeAgent:
                 reader.close()
                 self._foreign.add(path)
                 continue
-            self.processes[path] = _Process(reader=reader, tracker=self._tracker_factory(reader.info),
-                                            comm_window=collections.deque(maxlen=self.config.comm_window_polls))
+            self.processes[path] = _Process(reader=reader, tracker=RankTracker(rank=reader.info.rank))
 
     def poll(self) -> None:
         """Reads every ring and feeds its tracker."""
@@ -121,38 +92,79 @@ class NodeAgent:
         for proc in self.processes.values():
             batch = proc.reader.read()
             proc.tracker.feed(batch.records, lost=batch.lost)
-            proc.comm_window.append((comm_sums(batch.records), proc.tracker.iterations))
-            self._ops.update(comm_ops(batch.records))
 
     def comm_stats(self, proc: _Process) -> dict[str, dict]:
-        """Per communicator over the window: bytes, seconds and calls per iteration."""
-        if len(proc.comm_window) < 2:
+        """Per communicator over the last iterations: bytes, seconds and calls per
+        iteration, and the op its calls are mostly of."""
+        tracker = proc.tracker
+        last = tracker.num_iterations - 1
+        first = max(0, last - self.config.comm_window_iterations + 1)
+        if last < 0:
             return {}
-        iterations = proc.comm_window[-1][1] - proc.comm_window[0][1]
-        if iterations <= 0:
+        rows = tracker.arrivals(first, last)
+        if not len(rows):
             return {}
-        total: dict[int, np.ndarray] = {}
-        for sums, _ in list(proc.comm_window)[1:]:
-            for comm, v in sums.items():
-                total[comm] = total.get(comm, 0) + v
-        return {str(c): {"bytes_per_iter": v[0] / iterations, "seconds_per_iter": v[1] / iterations,
-                         "calls_per_iter": v[2] / iterations, "op": self._ops.get(c, "?")}
-                for c, v in total.items()}
+        iterations = last - first + 1
+        out = {}
+        for comm in np.unique(rows["comm_id"]):
+            mine = rows[rows["comm_id"] == comm]
+            ops, counts = np.unique(mine["op"], return_counts=True)
+            out[str(int(comm))] = {
+                "bytes_per_iter": float(mine["size_bytes"].sum()) / iterations,
+                "seconds_per_iter": float(np.nansum(mine["seconds"])) / iterations,
+                "calls_per_iter": len(mine) / iterations,
+                "op": OP_NAMES[int(ops[np.argmax(counts)])],
+            }
+        return out
+
+    @staticmethod
+    def summary(tracker: RankTracker) -> dict:
+        """A rank's tracking state as the store keeps it (``rank:{rank}``)."""
+        n = tracker.num_iterations
+        times = tracker.iteration_times
+        current = float(np.median(times[-3:])) if n else None
+        detection = tracker.detection()
+        slow = detection.slow_intervals[-1] if detection.slow_intervals and \
+            detection.slow_intervals[-1].end_index is None else None
+        return {
+            "period": tracker.period, "iterations": n, "current_s": current,
+            "baseline_s": None if not n else float(detection.baseline_iteration_time),
+            "slowdown": None if slow is None else round(float(slow.slowdown), 4),
+            "slow_since": None if slow is None else slow.start_index,
+            "changepoints": [c.as_dict() for c in detection.changepoints[-5:]],
+            "lost": tracker.lost_records,
+        }
+
+    @staticmethod
+    def clock(proc: _Process) -> RankClock | None:
+        """Where the rank stands (for the consistent pause): its last iteration's index
+        and start, and its iteration time; None until the tracker has locked on."""
+        tracker = proc.tracker
+        n = tracker.num_iterations
+        if not tracker.locked or n < 2 or proc.reader.info.rank < 0:
+            return None
+        rows = tracker.arrivals(n - 1, n - 1)
+        first = rows[rows["position"] == 0]
+        if not len(first):
+            return None
+        return RankClock(rank=proc.reader.info.rank, iteration=n - 1,
+                         started_s=float(proc.reader.info.unix_seconds(int(first["t_start_ns"][0]))),
+                         iteration_s=float(np.median(tracker.iteration_times[-3:])))
 
     def publish(self, client) -> None:
-        """Each rank's state, new iteration times and comm sums; the agent's heartbeat."""
+        """Each rank's state, new iteration times and comm figures; the agent's heartbeat."""
         ranks = []
         for proc in self.processes.values():
             info, tracker = proc.reader.info, proc.tracker
             rank = info.rank if info.rank >= 0 else info.pid
             ranks.append(rank)
-            times = tracker.iteration_times
-            new = [float(t) for t in times[proc.published_iterations - tracker.iterations:]] \
-                if tracker.iterations > proc.published_iterations else []
-            new = new[-store.ITERATIONS_KEPT:]
-            proc.published_iterations = tracker.iterations
+            n = tracker.num_iterations
+            new = [float(t) for t in tracker.iteration_times[max(proc.published_iterations, n - store.ITERATIONS_KEPT):]]
+            proc.published_iterations = n
+            window = tracker.iteration_times[-self.config.comm_window_iterations:]
             store.publish_rank(client, rank, new_times=new, fields={
-                "node": self.node, "pid": info.pid, **tracker.summary(),
+                "node": self.node, "pid": info.pid, **self.summary(tracker),
+                "window_s": float(window.mean()) if len(window) else None,
                 "counters": proc.reader.counters(),
             })
             stats = self.comm_stats(proc)

@@ -92,7 +92,9 @@ class Master:
         ep = self.episode
         if ep is None:
             if job_slow:
-                onset = min(int(s["slow_since"]) for s in slow.values())
+                # The ranks' own onsets differ by their trackers' numbering and noise:
+                # the median is the job's.
+                onset = int(np.median([int(s["slow_since"]) for s in slow.values()]))
                 slowdown = float(np.median([float(s.get("slowdown") or 1.0) for s in slow.values()]))
                 self.episode = _Episode(onset=onset, slowdown=slowdown, detected_s=time.time())
                 self._event("detected", onset_iteration=onset, slowdown=round(slowdown, 3),
@@ -119,7 +121,8 @@ class Master:
     def _profile(self, ep: _Episode, ranks: dict) -> None:
         stats = store.read_comm_stats(self.client, ranks)
         suspects = find_suspects(stats, rank_nodes={r: s.get("node", "?") for r, s in ranks.items()},
-                                 iteration_s={r: float(s.get("current_s") or 0) for r, s in ranks.items()})
+                                 iteration_s={r: float(s.get("window_s") or s.get("current_s") or 0)
+                                              for r, s in ranks.items()})
         ep.polls += 1
         for s in suspects:
             key = (s.kind, s.ranks if s.kind == "compute" else s.nodes)

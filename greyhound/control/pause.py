@@ -48,7 +48,7 @@ def validation_round(comm, agent, request: dict, *, nodes: list[str]) -> dict | 
 
 def _round(comm, agent, local: dict, request: dict, *, nodes: list[str]) -> dict | None:
     root = comm.rank == 0
-    clocks = [c for cs in comm.allgather([proc.tracker.clock(rank) for rank, proc in local.items()])
+    clocks = [c for cs in comm.allgather([agent.clock(proc) for proc in local.values()])
               for c in cs if c is not None]
     plan = None
     if root:
@@ -61,7 +61,12 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str]) -> dict
     plan = comm.bcast(plan, root=0)
     if "error" in plan:
         return {"paused": False, "why": plan["error"]} if root else None
-    targets = {rank: proc.tracker.call_index(plan["iterations"][rank]) for rank, proc in local.items()}
+    targets = {rank: proc.tracker.call_number_of_iteration(plan["iterations"][rank])
+               if rank in plan["iterations"] else None for rank, proc in local.items()}
+    unplaced = sorted(r for cs in comm.allgather([r for r, t in targets.items() if t is None]) for r in cs)
+    if unplaced:
+        return {"paused": False, "why": f"the trackers of ranks {unplaced} cannot place the pause iteration "
+                                        "(no period locked yet)"} if root else None
     for rank, proc in local.items():
         proc.reader.pause(at_call=targets[rank])
     t_pause = time.time()

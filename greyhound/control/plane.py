@@ -39,12 +39,6 @@ class PlaneConfig:
     master: MasterConfig = dataclasses.field(default_factory=MasterConfig)
 
 
-def _tracker_factory(info):
-    from greyhound.analytics.tracker import RankTracker
-
-    return RankTracker()
-
-
 class _Stop:
     def __init__(self) -> None:
         self.requested = False
@@ -79,7 +73,7 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
     if address is None:
         return 0
     client = address.client()
-    agent = NodeAgent(run_dir, node, tracker_factory=_tracker_factory, config=config.agent)
+    agent = NodeAgent(run_dir, node, config=config.agent)
     master = None
     try:
         if comm.rank == 0:

@@ -9,10 +9,14 @@ Two signals, both read from calls the job makes anyway (nothing is paused):
   is the transfer itself; the others' include waiting. A communicator more than
   ``LINK_TOLERANCE`` above its cluster's median transfer time is suspect, and so are
   the nodes its members run on.
-- **Compute straggler.** In a collective, the member that arrives last spends the
-  least time inside it; everyone else waits for it. A member whose call time is below
-  its peers' by more than ``WAIT_FRACTION`` of an iteration is the late arriver, and a
-  late arriver is a compute suspect (its own work before the call took longer).
+- **Compute straggler.** A rank's compute time is its iteration time less the time it
+  spends inside communication calls. Ranks that share a collective (a DP group: one
+  pipeline stage in each replica) do the same work, so a member whose compute time is
+  more than ``COMPUTE_TOLERANCE`` above its peers', by at least ``WAIT_FRACTION`` of
+  an iteration, is the compute suspect; the peers spend that time waiting inside
+  calls instead. (Arrival order alone would name the whole slow pipeline replica: in
+  1F1B every stage of the replica behind a slow stage arrives late at its DP
+  all-reduce.)
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import numpy as np
 LINK_TOLERANCE = 0.10
 """A group more than 10% above its cluster's median transfer time is suspect (the paper's rule)."""
 WAIT_FRACTION = 0.05
-"""How much of an iteration the peers must wait for a late arriver to make it suspect."""
+"""How much of an iteration a rank's extra compute must take to make it suspect."""
+COMPUTE_TOLERANCE = 0.10
+"""A rank computing more than 10% longer than its peers is suspect."""
 SAME_BYTES_RTOL = 0.01
 COLLECTIVE_OPS = ("AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce", "Barrier")
 
@@ -69,23 +75,28 @@ def find_suspects(comm_stats: dict[int, dict[str, dict]], *, rank_nodes: dict[in
     """
     members = _members(comm_stats)
     suspects: list[Suspect] = []
-    # Compute: the late arriver of each collective with peers that wait for it.
-    late: dict[int, list[float]] = defaultdict(list)
-    for comm, ranks in members.items():
-        if len(ranks) < 2 or next(iter(ranks.values())).get("op") not in COLLECTIVE_OPS:
-            continue
-        times = {r: float(s["seconds_per_iter"]) for r, s in ranks.items()}
-        last = min(times, key=times.get)
-        peers = [t - times[last] for r, t in times.items() if r != last]
-        wait = float(np.mean(peers))
-        it = float(np.median([iteration_s.get(r, 0.0) for r in ranks])) or 1.0
-        if wait / it > WAIT_FRACTION and min(peers) / it > WAIT_FRACTION / 2:
-            late[last].append(wait / it)
-    for rank, waits in late.items():
+    compute = {r: iteration_s[r] - sum(float(c["seconds_per_iter"]) for c in comms.values())
+               for r, comms in comm_stats.items() if r in iteration_s}
+    peer_groups = [sorted(ranks) for ranks in members.values()
+                   if len(ranks) >= 2 and next(iter(ranks.values())).get("op") in COLLECTIVE_OPS]
+    if not peer_groups:             # no collective to compare within: every rank with every other
+        peer_groups = [sorted(compute)]
+    excess: dict[int, float] = {}
+    for group in peer_groups:
+        for r in group:
+            others = [compute[p] for p in group if p != r and p in compute]
+            if r not in compute or not others:
+                continue
+            base = float(np.median(others))
+            extra = compute[r] - base
+            it = iteration_s.get(r) or 1.0
+            if compute[r] > (1 + COMPUTE_TOLERANCE) * base and extra > WAIT_FRACTION * it:
+                excess[r] = max(excess.get(r, 0.0), extra / it)
+    for rank, share in excess.items():
         suspects.append(Suspect(kind="compute", ranks=(rank,), nodes=(rank_nodes.get(rank, "?"),), comm=None,
-                                score=float(np.mean(waits)),
-                                why=f"arrives last at {len(waits)} collective(s); peers wait "
-                                    f"{np.mean(waits):.0%} of an iteration"))
+                                score=share,
+                                why=f"computes {share:.0%} of an iteration longer than the ranks it shares "
+                                    "a collective with"))
     # Link: a communicator slower than others moving the same bytes with the same op.
     groups = []
     for comm, ranks in members.items():
