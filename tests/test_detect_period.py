@@ -150,7 +150,9 @@ def test_iteration_times_exact_on_a_tiny_trace():
     assert calls.period == 2
     assert calls.start == 1
     np.testing.assert_allclose(calls.iteration_times, [1.0, 1.0, 2.0, 2.0, 1.0])
-    np.testing.assert_allclose(calls.available_at, [11.5, 12.5, 14.5, 16.5, 17.5])
+    # Known when the next iteration's first call comes.
+    np.testing.assert_allclose(calls.available_at, [11.1, 12.1, 14.1, 16.1, 17.1])
+    np.testing.assert_array_equal(calls.first_call, [1, 3, 5, 7, 9])
 
 
 def test_a_late_call_does_not_move_its_iteration():

@@ -43,6 +43,11 @@ __all__ = [
     "lag_agreement",
     "find_period",
     "iteration_times_from_calls",
+    "IterationClock",
+    "ClockConfig",
+    "ClockStep",
+    "Segment",
+    "collect_steps",
     "iteration_times_from_ring_records",
 ]
 
@@ -56,14 +61,17 @@ class CallIterations:
     """Iteration times recovered from one rank's call sequence."""
 
     period: int | None
-    """Calls per iteration; None when the sequence has no period."""
+    """Calls per iteration (the last period locked); None when the sequence has none."""
     start: int
-    """Index of the first call of the periodic part (calls before it are warm-up)."""
+    """Index of the first call of iteration 0 (calls before it are warm-up)."""
     iteration_times: np.ndarray
-    """(num_iterations,) float64 seconds; entry j spans call block j to block j + 1."""
+    """(num_iterations,) float64 seconds; entry j spans iteration j's first call to
+    iteration j + 1's (see :class:`IterationClock`)."""
     available_at: np.ndarray
     """(num_iterations,) float64: start time of the last call entry j needs, i.e.
     when an online tracker knows it."""
+    first_call: np.ndarray
+    """(num_iterations,) int64: index of each iteration's first call."""
     tokens_use_bytes: bool
     """Whether bytes were part of the call symbol that gave the period."""
 
@@ -205,13 +213,11 @@ def iteration_times_from_calls(
     max_period: int | None = None,
     period: int | None = None,
 ) -> CallIterations:
-    """Period and per-iteration times of one rank's calls.
+    """Period and per-iteration times of one rank's whole call sequence.
 
-    The node agent passes the fields of the hook's ring records, see
-    :func:`iteration_times_from_ring_records`. Entry j of the result is the
-    median, over the calls of period block j whose symbol recurs one period later, of
-    ``t_start[i + period] - t_start[i]``; the median keeps one late call (or an inserted
-    eval/checkpoint call) from moving an iteration's time.
+    Exactly what an :class:`IterationClock` fed the same calls, in any batches, and
+    then told the stream ended (:meth:`IterationClock.finish`) reports: ``greyhound
+    detect`` and the node agent's tracker see the same iterations.
 
     Args:
         op: (n,) op codes (ints or names).
@@ -219,9 +225,8 @@ def iteration_times_from_calls(
         nbytes: (n,) bytes per call.
         t_start: (n,) float call start times in seconds, non-decreasing.
         threshold, tolerance, max_period: see :func:`find_period`.
-        window: the period is found on the trailing ``window`` calls (warm-up calls
-            at the start of a trace fall out of it).
-        period: a known period (e.g. from an earlier window): skips the search.
+        window: most calls a period search looks at (see :class:`ClockConfig`).
+        period: a known period: skips the search.
 
     Returns:
         A :class:`CallIterations`; ``iteration_times`` is empty when there is no
@@ -235,44 +240,34 @@ def iteration_times_from_calls(
             f"op, comm, nbytes and t_start must have one length, got "
             f"{len(op)}, {len(comm)}, {len(nbytes)}, {n}"
         )
-    if window < 2:
-        raise ValueError(f"window must be >= 2, got {window}")
-    use_bytes = True
-    if period is None:
-        for use_bytes in (True, False):
-            period = _search_period(
-                op, comm, nbytes if use_bytes else None, window=window,
-                threshold=threshold, tolerance=tolerance, max_period=max_period,
-            )
-            if period is not None:
-                break
-    empty = np.empty(0)
-    if period is None or n < 2 * period:
-        return CallIterations(
-            period=period, start=0, iteration_times=empty, available_at=empty,
-            tokens_use_bytes=use_bytes,
-        )
-    same = (op[period:] == op[:-period]) & (comm[period:] == comm[:-period])
-    if use_bytes:
-        same &= nbytes[period:] == nbytes[:-period]
-    start = _first_clean_period(same, period)
-    num_iterations = (n - start) // period - 1
-    if num_iterations < 1:
-        return CallIterations(
-            period=period, start=start, iteration_times=empty, available_at=empty,
-            tokens_use_bytes=use_bytes,
-        )
-    stop = start + num_iterations * period
-    deltas = (t_start[start + period : stop + period] - t_start[start:stop]).reshape(
-        num_iterations, period
+    config = ClockConfig(
+        threshold=threshold, tolerance=tolerance, window=window, max_period=max_period,
     )
-    matched = same[start:stop].reshape(num_iterations, period)
-    times = _masked_row_median(deltas, matched)
-    available_at = t_start[start + 2 * period - 1 : stop + period : period]
+    clock = IterationClock(config, period=period)
+    times, avail, first_call = _collect([clock.feed(op, comm, nbytes, t_start), clock.finish()])
     return CallIterations(
-        period=period, start=start, iteration_times=times, available_at=available_at,
-        tokens_use_bytes=use_bytes,
+        period=clock.period if clock.period is not None else clock.last_period,
+        start=int(first_call[0]) if len(first_call) else clock.first_start,
+        iteration_times=times, available_at=avail, first_call=first_call,
+        tokens_use_bytes=clock.tokens_use_bytes,
     )
+
+
+def collect_steps(steps: list[ClockStep]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The iterations of consecutive clock steps, withdrawals applied: (times,
+    available_at, first_call)."""
+    return _collect(steps)
+
+
+def _collect(steps: list[ClockStep]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    times, avail, first = np.empty(0), np.empty(0), np.empty(0, dtype=np.int64)
+    for step in steps:
+        keep = step.first_iteration
+        times, avail, first = times[:keep], avail[:keep], first[:keep]
+        times = np.concatenate((times, step.iteration_times))
+        avail = np.concatenate((avail, step.available_at))
+        first = np.concatenate((first, step.first_call))
+    return times, avail, first
 
 
 def iteration_times_from_ring_records(calls: np.ndarray, **kwargs) -> CallIterations:
@@ -308,13 +303,16 @@ def _search_period(
     threshold: float,
     tolerance: float,
     max_period: int | None,
-) -> int | None:
+) -> tuple[int, int] | None:
     """find_period on the trailing window; if none, on shorter and shorter tails.
 
     Warm-up calls sit at the start of a trace; in a short trace they can be a large
     share of the window and pull every lag's ACF down (most of all when one symbol
     dominates and chance agreement is high). Tails of 7/8, 3/4, 1/2, 1/4, ... of the
     window drop them.
+
+    Returns:
+        (period, tail): the period and how many trailing calls showed it; None.
     """
     n = len(op)
     full = min(n, window)
@@ -337,35 +335,630 @@ def _search_period(
             tokens, num_tokens, threshold=threshold, tolerance=tolerance, max_period=limit
         )
         if period is not None:
-            return period
+            return period, size
     return None
 
 
-def _first_clean_period(same: np.ndarray, period: int) -> int:
-    """First i with ``same[i:i + period]`` all true; 0 if there is none."""
-    if len(same) < period:
-        return 0
-    bad = np.concatenate(([0], np.cumsum(~same)))
-    clean = np.flatnonzero(bad[period:] - bad[:-period] == 0)
-    return int(clean[0]) if len(clean) else 0
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClockConfig:
+    """How an :class:`IterationClock` locks onto a period and when it lets go."""
+
+    threshold: float = 0.95
+    """ACF a lag needs to be the period (the paper's M)."""
+    tolerance: float = 0.02
+    """See :func:`find_period`."""
+    window: int = 1 << 16
+    """Most calls one period search looks at (the trailing ones)."""
+    max_period: int | None = None
+    """Largest period considered; default half the searched calls."""
+    first_check: int = 32
+    """The period is searched when the calls since the search began reach
+    ``first_check``, twice that, four times, ... up to ``window``, then every
+    ``window // 2`` calls: at fixed call counts, never at a poll's boundary, so any
+    split of the calls into batches locks at the same call."""
+    min_periods: int = 4
+    """Whole repeats of the period after its first clean one that a lock needs."""
+    confirm_calls: int = 1024
+    """See ``confirm_periods``."""
+    confirm_periods: int = 16
+    """A period found is a candidate; it locks once the calls from its first clean
+    period on number max(``confirm_calls``, ``confirm_periods`` x period) and a
+    period search on those calls alone finds it again. A motif inside the iteration
+    (16 micro-batches of the same Recv, AllReduce, Send; a burst of 128 identical
+    AllReduces) repeats like a period until the pattern moves on; the iterations are
+    held back until then, and those of a dropped candidate are never reported."""
+    min_match: float = 0.9
+    """Share of the calls after the first clean period that must equal the call one
+    period later for a lock."""
+    wrap_gap: float = 0.2
+    """Share of the iteration between its last call and the next one's first above
+    which iterations are measured between last calls (see
+    :meth:`IterationClock._measure_backward`)."""
+    relock_blocks: int = 8
+    """Consecutive iterations in which fewer than ``relock_match`` of the calls equal
+    the call one period later end the lock (the pattern changed)."""
+    relock_match: float = 0.5
+    """See ``relock_blocks``."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {self.threshold!r}")
+        if self.tolerance < 0.0:
+            raise ValueError(f"tolerance must be >= 0, got {self.tolerance!r}")
+        if self.first_check < 2:
+            raise ValueError(f"first_check must be >= 2, got {self.first_check!r}")
+        if self.window < self.first_check:
+            raise ValueError(
+                f"window must be >= first_check ({self.first_check}), got {self.window!r}"
+            )
+        if self.max_period is not None and self.max_period < 1:
+            raise ValueError(f"max_period must be >= 1, got {self.max_period!r}")
+        if min(self.min_periods, self.relock_blocks, self.confirm_calls,
+               self.confirm_periods) < 1:
+            raise ValueError(
+                "min_periods, relock_blocks, confirm_calls and confirm_periods must be >= 1"
+            )
+        for name in ("min_match", "relock_match"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
 
 
-def _masked_row_median(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Row medians over masked entries; rows with no entry use all of theirs.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClockStep:
+    """Iterations an :class:`IterationClock` completed during one feed."""
 
-    Args:
-        values: (rows, cols) float64.
-        mask: (rows, cols) bool.
+    first_iteration: int
+    """Number of the first iteration in this step (iterations are numbered 0, 1, ...
+    over the whole stream, across re-locks)."""
+    iteration_times: np.ndarray
+    """(m,) float64 seconds."""
+    available_at: np.ndarray
+    """(m,) float64: start time of the call that completed each one."""
+    first_call: np.ndarray
+    """(m,) int64: index (in the stream, from 0) of each iteration's first call."""
+    withdrawn_from: int | None = None
+    """Iterations numbered from this on that earlier steps reported are withdrawn
+    (they were measured under a lock that had ended, see :class:`IterationClock`);
+    ``first_iteration`` is then this number, reused by the new lock."""
 
-    Returns:
-        (rows,) float64.
+    @property
+    def iterations(self) -> np.ndarray:
+        """(m,) int64 numbers of the iterations."""
+        return np.arange(self.first_iteration, self.first_iteration + len(self.iteration_times))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Segment:
+    """A stretch of iterations under one lock."""
+
+    first_iteration: int
+    period: int
+    start_call: int
+    """Index of the first call of iteration ``first_iteration``."""
+    tokens_use_bytes: bool
+    backward: bool = False
+    """Iteration k's time is measured between the last calls of iterations k - 1 and
+    k (True), or between the first calls of k and k + 1 (False); see
+    :class:`IterationClock`."""
+
+
+class IterationClock:
+    """Online period lock and iteration numbering of one rank's call stream.
+
+    Feed it the calls as they come (:meth:`feed`, any batch sizes); it reports each
+    iteration's time as soon as the calls that define it have arrived.
+
+    Locking: while no period is locked, the calls are kept (the trailing
+    ``window``) and the period is searched (:func:`find_period` on the trailing calls
+    and shorter tails, with and without bytes) at fixed call counts (see
+    :attr:`ClockConfig.first_check`). A period locks when two consecutive searches
+    find it (it survived a doubling of the data: a warm-up's or a burst's look-alike
+    does not), the calls after its first clean period hold ``min_periods`` repeats
+    of which ``min_match`` equal the call one period later, and, if it was found
+    without bytes, the calls are not all one (op, comm) (parameter broadcasts of
+    varying size). At the end of a stream (:meth:`finish`) one search on what is
+    there suffices.
+
+    Numbering: once locked at period p with first clean call s, iteration k of the
+    lock starts at call s + k p, whatever comes later: an evaluation step that adds
+    calls shifts where iterations start within the pattern, never the numbering.
+    Iteration k's time is the time between its first call and the same call one
+    period later; if that call differs from its repeat (an inserted call), the first
+    call of the iteration that equals its repeat is used instead. (Not the median
+    over the iteration's calls: a slow iteration would then spread half into its
+    neighbours, and a 3-iteration disturbance look like 4.)
+
+    Re-locking, only on evidence: when ``relock_blocks`` consecutive iterations have
+    fewer than ``relock_match`` of their calls equal to the call one period later
+    (the pattern changed: a new parallel layout, a re-split of micro-batches), the
+    lock ends at the first of them, and the search starts again from there. The
+    iteration numbers go on from the last one reported.
+
+    All of it depends only on the calls, not on how they were split into batches.
     """
-    if mask.all():
-        return np.median(values, axis=1)
-    full = mask.all(axis=1)
-    out = np.empty(len(values))
-    out[full] = np.median(values[full], axis=1)
-    for row in np.flatnonzero(~full):
-        chosen = values[row][mask[row]]
-        out[row] = np.median(chosen if len(chosen) else values[row])
-    return out
+
+    def __init__(self, config: ClockConfig | None = None, *, period: int | None = None) -> None:
+        if period is not None and period < 1:
+            raise ValueError(f"period must be >= 1, got {period!r}")
+        self.config = config or ClockConfig()
+        self._fixed = period
+        self._n = 0
+        self._lo = 0
+        self._buf: list[np.ndarray] | None = None  # op, comm, nbytes, t
+        self._origin = 0
+        self._check = self.config.first_check
+        self._iters = 0
+        self.segments: list[Segment] = []
+        self._seg: Segment | None = None
+        self._cand: Segment | None = None
+        self._withdrew: int | None = None
+        self._confirm_from = 0
+        self._next_start = 0
+        self._eval_start = 0
+        self._bad_run = 0
+        self._bad_from = 0
+        self.last_period: int | None = None
+        self.first_start = 0
+
+    # ---- state ------------------------------------------------------------------
+
+    @property
+    def num_calls(self) -> int:
+        """Calls fed so far."""
+        return self._n
+
+    @property
+    def num_iterations(self) -> int:
+        """Iterations reported so far (the next one gets this number)."""
+        return self._iters
+
+    @property
+    def locked(self) -> bool:
+        return self._seg is not None
+
+    @property
+    def period(self) -> int | None:
+        """Calls per iteration of the current lock; None while unlocked."""
+        return None if self._seg is None else self._seg.period
+
+    @property
+    def tokens_use_bytes(self) -> bool:
+        seg = self._seg or (self.segments[-1] if self.segments else None)
+        return True if seg is None else seg.tokens_use_bytes
+
+    def iteration_start_call(self, iteration: int) -> int | None:
+        """Index of the first call of ``iteration`` (0-based, in the stream), for a
+        reported iteration or a future one of the current lock; None if unknown (before
+        the first lock, or in a stretch between two locks)."""
+        for seg in reversed(self.segments):
+            if iteration >= seg.first_iteration:
+                if seg is not self._seg and iteration >= self._segment_end(seg):
+                    return None
+                return seg.start_call + (iteration - seg.first_iteration) * seg.period
+        return None
+
+    def _segment_end(self, seg: Segment) -> int:
+        k = self.segments.index(seg)
+        return self.segments[k + 1].first_iteration if k + 1 < len(self.segments) else self._iters
+
+    # ---- feeding ------------------------------------------------------------------
+
+    def feed(
+        self, op: np.ndarray, comm: np.ndarray, nbytes: np.ndarray, t_start: np.ndarray
+    ) -> ClockStep:
+        """Add the next calls (in order); returns the iterations they completed.
+
+        Args:
+            op, comm, nbytes: (n,) op codes, communicator ids, bytes per call.
+            t_start: (n,) call start times in seconds, non-decreasing.
+        """
+        cols = [np.asarray(op), np.asarray(comm), np.asarray(nbytes),
+                np.asarray(t_start, dtype=np.float64)]
+        n = len(cols[3])
+        if any(len(c) != n for c in cols) or any(c.ndim != 1 for c in cols):
+            raise ValueError("op, comm, nbytes and t_start must be 1-D and of one length")
+        if self._buf is None:
+            self._buf = cols
+        elif n:
+            self._buf = [np.concatenate((a, b)) for a, b in zip(self._buf, cols)]
+        self._n += n
+        out = self._advance(final=False)
+        self._trim()
+        return out
+
+    def finish(self) -> ClockStep:
+        """The stream ended: if no period is locked, lock on what is there (one search,
+        no confirmation by a later one). Returns the iterations that completed."""
+        return self._advance(final=True)
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _advance(self, *, final: bool) -> ClockStep:
+        first = self._iters
+        times: list[np.ndarray] = []
+        avail: list[np.ndarray] = []
+        starts: list[np.ndarray] = []
+        withdrawn: int | None = None
+        final_done = False
+        while True:
+            if self._seg is None:
+                if self._check <= self._n:
+                    c = self._check
+                    self._check = self._origin + self._next_offset(c - self._origin)
+                    self._search_and_lock(max(self._origin, c - self.config.window), c,
+                                          final=False)
+                    continue
+                if final and not final_done:
+                    final_done = True
+                    if self._cand is not None:
+                        self._lock(self._cand, self._n)
+                    else:
+                        self._search_and_lock(
+                            max(self._origin, self._n - self.config.window), self._n, final=True
+                        )
+                    if self._seg is not None:
+                        continue
+                break
+            self._withdrew = None
+            more = self._emit(times, avail, starts)
+            if self._withdrew is not None:
+                # The lock ended: iterations from self._iters on are withdrawn.
+                w = self._withdrew
+                if w < first:
+                    withdrawn = w if withdrawn is None else min(withdrawn, w)
+                    times.clear(), avail.clear(), starts.clear()
+                    first = w
+                else:
+                    keep = w - first
+                    t_all = np.concatenate(times) if times else np.empty(0)
+                    a_all = np.concatenate(avail) if avail else np.empty(0)
+                    s_all = np.concatenate(starts) if starts else np.empty(0, dtype=np.int64)
+                    times[:], avail[:], starts[:] = [t_all[:keep]], [a_all[:keep]], [s_all[:keep]]
+            if not more:
+                break
+        if not times or not sum(len(t) for t in times):
+            empty = np.empty(0)
+            return ClockStep(first_iteration=first, iteration_times=empty, available_at=empty,
+                             first_call=np.empty(0, dtype=np.int64), withdrawn_from=withdrawn)
+        return ClockStep(
+            first_iteration=first, iteration_times=np.concatenate(times),
+            available_at=np.concatenate(avail), first_call=np.concatenate(starts),
+            withdrawn_from=withdrawn,
+        )
+
+    def _next_offset(self, offset: int) -> int:
+        f, w = self.config.first_check, self.config.window
+        if offset < f:
+            return f
+        if offset * 2 <= w:
+            return offset * 2
+        return offset + max(1, w // 2)
+
+    def _cols(self, lo: int, hi: int) -> list[np.ndarray]:
+        assert self._buf is not None
+        return [c[lo - self._lo : hi - self._lo] for c in self._buf]
+
+    def _same(self, lo: int, hi: int, period: int, use_bytes: bool) -> np.ndarray:
+        """same[i - lo] for lo <= i < hi: call i equals call i + period (hi + period <= n)."""
+        op, comm, nb, _ = self._cols(lo, hi + period)
+        m = hi - lo
+        out = (op[period : period + m] == op[:m]) & (comm[period : period + m] == comm[:m])
+        if use_bytes:
+            out &= nb[period : period + m] == nb[:m]
+        return np.asarray(out, dtype=bool)
+
+    def _search_and_lock(self, lo: int, hi: int, *, final: bool) -> None:
+        """One period search on calls [lo, hi): starts, confirms or drops a candidate."""
+        if hi - lo < 2:
+            return
+        cand = self._cand
+        if cand is not None:
+            need = max(self.config.confirm_calls, self.config.confirm_periods * cand.period)
+            if not final and hi - self._confirm_from < need:
+                return
+            if self._confirms(cand, hi):
+                self._lock(cand, hi)
+                return
+            self._cand = None
+        op, comm, nb, _ = self._cols(lo, hi)
+        if self._fixed is not None:
+            found: tuple[int, bool] | None = (self._fixed, True)
+        else:
+            found = None
+            for use_bytes in (True, False):
+                got = _search_period(
+                    op, comm, nb if use_bytes else None, window=hi - lo,
+                    threshold=self.config.threshold, tolerance=self.config.tolerance,
+                    max_period=self.config.max_period,
+                )
+                if got is not None:
+                    found = (got[0], use_bytes)
+                    tail = hi - got[1]
+                    break
+            if found is not None and not found[1] and _one_symbol(*self._cols(tail, hi)[:2]):
+                # Parameter broadcasts of varying size: no period, only one call kind.
+                found = None
+        if found is None:
+            return
+        self.last_period = found[0]
+        cand = self._candidate(lo, hi, found)
+        if cand is None:
+            return
+        # Confirmed on calls the period was seen in, not on a warm-up that only
+        # looks periodic without bytes.
+        self._confirm_from = max(cand.start_call, tail if self._fixed is None else lo)
+        if self._fixed is not None or final:
+            self._lock(cand, hi)
+        else:
+            self._cand = cand
+
+    def _confirms(self, cand: Segment, hi: int) -> bool:
+        """Whether the calls from the candidate's first clean period to ``hi`` (the
+        trailing ``window`` of them) have its period, by :func:`find_period` on them
+        alone: no warm-up left, and at least max(confirm_calls, confirm_periods x
+        period) of them, so a motif that ends within them is found out."""
+        lo = max(self._confirm_from, hi - self.config.window)
+        op, comm, nb, _ = self._cols(lo, hi)
+        tokens, num_tokens = call_tokens(op, comm, nb if cand.tokens_use_bytes else None)
+        p = find_period(
+            tokens, num_tokens, threshold=self.config.threshold,
+            tolerance=self.config.tolerance, max_period=self.config.max_period,
+        )
+        return p == cand.period
+
+    def _measure_backward(self, seg: Segment, hi: int) -> bool:
+        """Whether to measure iterations between their last calls instead of their
+        first ones, decided on the calls [start, hi) of a new lock.
+
+        An iteration is measured from one of its calls to the same call of the next
+        (or previous) iteration. Work of an iteration done before its first call
+        counts, measured between first calls, in the iteration before it; work done
+        after its last call counts, measured between last calls, in the one after it.
+        An iteration whose compute is slower then shows partly in its neighbour,
+        neighbours' times correlate, and a slowdown of 3 iterations looks like one of
+        4, which the detector would take for a new regime. Both kinds of work lie in
+        the gap between an iteration's last call and the next one's first call (the
+        wrap gap); how it splits is unknown. So:
+
+        - wrap gap under ``wrap_gap`` of the iteration (calls spread over the work:
+          tensor- and pipeline-parallel jobs), or fewer than 8 iterations to judge by:
+          first calls;
+        - else last calls (a data-parallel job: its gradient AllReduces come in the
+          backward pass, the forward pass before them belongs to the same iteration),
+          unless the first calls give clearly less correlated neighbours (rank
+          correlation of deviations from a running median lower by 0.1: the calls sit
+          at the start of the work).
+        """
+        p, s = seg.period, seg.start_call
+        blocks = (hi - s) // p - 2  # iterations 1, 2, ...: the calls before s are not used
+        if p < 2 or blocks < 8:
+            return False
+        t = self._cols(s, s + (blocks + 2) * p)[3]
+        first = np.arange(1, blocks + 1) * p
+        forward = t[first + p] - t[first]          # first call of k to first of k + 1
+        backward = t[first + p - 1] - t[first - 1]  # last call of k - 1 to last of k
+        if np.any(forward <= 0) or np.any(backward <= 0):
+            return False
+        wrap = (t[first + p] - t[first + p - 1]) / forward
+        if float(np.median(wrap)) <= self.config.wrap_gap:
+            return False
+        # Same iterations in both: forward[k] and backward[k + 1] span mostly k.
+        a, b = _residual(np.log(forward[:-1])), _residual(np.log(backward[1:]))
+        return not _rank_autocorrelation(a) < _rank_autocorrelation(b) - 0.1
+
+    def _candidate(self, lo: int, hi: int, found: tuple[int, bool]) -> Segment | None:
+        """The lock a period found on calls [lo, hi) would make, if they are clean
+        enough: its first clean period, and enough repeats after it that match."""
+        p, use_bytes = found
+        tries = [use_bytes] if self._fixed is None else [True, False]
+        for use_bytes in tries:
+            if hi - lo < 2 * p:
+                return None
+            same = self._same(lo, hi - p, p, use_bytes)
+            # min_periods clean periods in a row: an accidental repeat among warm-up
+            # calls (two broadcasts of one size) is no start; nor, for a period of more
+            # than one call, a run of one call kind (broadcasts, compared without bytes).
+            span = min(self.config.min_periods * p, len(same))
+            varied = None
+            if p > 1:
+                op, comm, nb, _ = self._cols(lo, hi)
+                change = (op[1:] != op[:-1]) | (comm[1:] != comm[:-1])
+                if use_bytes:
+                    change |= nb[1:] != nb[:-1]
+                varied = np.concatenate(([0], np.cumsum(change)))
+            start = _clean_period_start(same, span, varied)
+            if start is None:
+                continue
+            repeats = (hi - (lo + start)) // p - 1
+            if repeats < min(self.config.min_periods, max(1, (hi - lo) // p - 1)):
+                continue
+            if same[start:].mean() < self.config.min_match:
+                continue
+            if p == 1 and not same[start:].all():
+                # Runs of a few call kinds (warm-up broadcasts, then a burst of
+                # AllReduces) agree with themselves at lag 1 too; one call per
+                # iteration means the same call every time.
+                continue
+            return Segment(first_iteration=self._iters, period=p, start_call=lo + start,
+                           tokens_use_bytes=use_bytes)
+        return None
+
+    def _lock(self, seg: Segment, hi: int) -> None:
+        seg = dataclasses.replace(seg, backward=self._measure_backward(seg, hi))
+        if not self.segments:
+            self.first_start = seg.start_call
+        self.segments.append(seg)
+        self._seg = seg
+        self._cand = None
+        self.last_period = seg.period
+        self._next_start = seg.start_call
+        self._eval_start = seg.start_call
+        self._bad_run = 0
+
+    def _emit(self, times: list, avail: list, starts: list) -> bool:
+        """Report the iterations of the lock whose times are known; True when the lock
+        ended (a search may be due), False when nothing more can be done now."""
+        seg = self._seg
+        assert seg is not None
+        p, n, use_bytes = seg.period, self._n, seg.tokens_use_bytes
+        # Re-lock evidence, on whole iterations (their calls and the next iteration's
+        # all here), in order.
+        trigger = None
+        e0 = self._eval_start
+        count = (n - e0 - 2 * p) // p + 1 if n - e0 >= 2 * p else 0
+        if count > 0:
+            frac = self._same(e0, e0 + count * p, p, use_bytes).reshape(count, p).mean(axis=1)
+            done = count
+            for r in range(count):
+                if frac[r] < self.config.relock_match:
+                    if self._bad_run == 0:
+                        self._bad_from = e0 + r * p
+                    self._bad_run += 1
+                    if self._bad_run >= self.config.relock_blocks:
+                        trigger, done = e0 + r * p, r + 1
+                        break
+                else:
+                    self._bad_run = 0
+            self._eval_start = e0 + done * p
+        if seg.backward:
+            self._emit_backward(times, avail, starts, trigger)
+            return self._end_lock(trigger)
+        # Iteration times: iteration k needs its first call that equals the call one
+        # period later, and that later call.
+        s0 = self._next_start
+        rows = (n - 1 - s0) // p if n - 1 >= s0 + p else 0
+        if trigger is not None:
+            rows = min(rows, (trigger - s0) // p + 1)
+        if rows > 0:
+            block = s0 + p * np.arange(rows)
+            hi = min(s0 + rows * p, n - p)
+            same = np.zeros(rows * p, dtype=bool)
+            same[: hi - s0] = self._same(s0, hi, p, use_bytes)
+            same = same.reshape(rows, p)
+            full = block + 2 * p - 1 < n
+            has = same.any(axis=1)
+            ready = has | full
+            stop = rows if ready.all() else int(np.argmin(ready))
+            if stop:
+                q = np.where(has[:stop], np.argmax(same[:stop], axis=1), 0)
+                t = self._cols(s0, min(n, s0 + stop * p + p))[3]
+                used = np.arange(stop) * p + q
+                times.append(t[used + p] - t[used])
+                avail.append(t[used + p])
+                starts.append(block[:stop].astype(np.int64))
+                self._iters += stop
+                self._next_start = s0 + stop * p
+        return self._end_lock(trigger)
+
+    def _end_lock(self, trigger: int | None) -> bool:
+        if trigger is None:
+            return False
+        seg = self._seg
+        assert seg is not None
+        # Iterations from the first one of the evidence on were measured with a period
+        # that no longer held: withdrawn, their numbers go to the new lock.
+        self._iters = min(self._iters,
+                          seg.first_iteration + (self._bad_from - seg.start_call) // seg.period)
+        self._withdrew = self._iters
+        self._seg = None
+        self._origin = self._bad_from
+        self._check = self._origin + self.config.first_check
+        self._bad_run = 0
+        return True
+
+    def _emit_backward(self, times: list, avail: list, starts: list, trigger: int | None) -> None:
+        """Iteration k, measured between last calls: its last call that equals the call
+        one period earlier, and that earlier call; known when iteration k is complete.
+        An iteration with no such call (the first of a lock, after a warm-up) is
+        measured forward from its first call instead, once the next one begins."""
+        seg = self._seg
+        assert seg is not None
+        p, n, s0 = seg.period, self._n, self._next_start
+        rows = (n - s0) // p
+        if trigger is not None:
+            rows = min(rows, (trigger - s0) // p + 1)
+        if rows <= 0:
+            return
+        # Never a call before the lock's first one: the first iteration of a lock is
+        # measured forward.
+        lo = max(s0 - p, seg.start_call)
+        back = np.zeros(rows * p, dtype=bool)
+        # back[j - s0] for call j in [s0, s0 + rows p): call j equals call j - p.
+        same = self._same(lo, s0 + rows * p - p, p, seg.tokens_use_bytes)
+        back[lo + p - s0 :] = same
+        back = back.reshape(rows, p)
+        has = back.any(axis=1)
+        q = p - 1 - np.argmax(back[:, ::-1], axis=1)
+        block = s0 + p * np.arange(rows)
+        # A row without a match waits for the next iteration's first call.
+        ready = has | (block + p < n)
+        stop = rows if ready.all() else int(np.argmin(ready))
+        if not stop:
+            return
+        t = self._cols(lo, min(n, s0 + stop * p + 1))[3]
+        off = s0 - lo
+        used = off + np.arange(stop) * p + np.where(has[:stop], q[:stop], 0)
+        earlier = np.where(has[:stop], used - p, used)
+        later = np.where(has[:stop], used, used + p)
+        times.append(t[later] - t[earlier])
+        avail.append(t[later])
+        starts.append(block[:stop].astype(np.int64))
+        self._iters += stop
+        self._next_start = s0 + stop * p
+
+    def _trim(self) -> None:
+        if self._buf is None:
+            return
+        if self._seg is not None:
+            keep = min(max(self._next_start - self._seg.period, self._seg.start_call),
+                       self._eval_start)
+            if self._bad_run:
+                keep = min(keep, self._bad_from)
+        else:
+            keep = max(self._origin, self._n - self.config.window)
+            if self._cand is not None:
+                keep = min(keep, self._cand.start_call, self._confirm_from)
+        keep = min(keep, self._n)
+        if keep - self._lo > max(1024, (self._n - self._lo) // 2):
+            self._buf = [c[keep - self._lo :].copy() for c in self._buf]
+            self._lo = keep
+
+
+def _residual(x: np.ndarray, width: int = 9) -> np.ndarray:
+    """x less its centred running median over ``width`` (edges: the nearest window)."""
+    if len(x) < width:
+        return x - np.median(x)
+    med = np.median(np.lib.stride_tricks.sliding_window_view(x, width), axis=1)
+    half = width // 2
+    med = np.concatenate((np.full(half, med[0]), med, np.full(width - 1 - half, med[-1])))
+    return x - med
+
+
+def _rank_autocorrelation(x: np.ndarray) -> float:
+    """Spearman correlation of x[:-1] with x[1:] (0 when undefined)."""
+    if len(x) < 3:
+        return 0.0
+    r = np.argsort(np.argsort(x, kind="stable"), kind="stable").astype(np.float64)
+    a, b = r[:-1] - r[:-1].mean(), r[1:] - r[1:].mean()
+    den = np.sqrt((a * a).sum() * (b * b).sum())
+    return float((a * b).sum() / den) if den > 0 else 0.0
+
+
+def _one_symbol(op: np.ndarray, comm: np.ndarray) -> bool:
+    return bool(len(op)) and bool(np.all(op == op[0]) and np.all(comm == comm[0]))
+
+
+def _clean_period_start(
+    same: np.ndarray, span: int, varied: np.ndarray | None = None
+) -> int | None:
+    """First i with ``same[i:i + span]`` all true (and, with ``varied`` the running
+    count of changes of call kind, some change within the span); None if none."""
+    if len(same) < span or span < 1:
+        return None
+    bad = np.concatenate(([0], np.cumsum(~same)))
+    ok = bad[span:] - bad[:-span] == 0
+    if varied is not None:
+        last = np.arange(len(ok)) + span - 1
+        ok &= varied[last] - varied[: len(ok)] > 0
+    clean = np.flatnonzero(ok)
+    return int(clean[0]) if len(clean) else None

@@ -60,6 +60,7 @@ __all__ = [
     "JobScore",
     "labelled_set",
     "render_calls",
+    "ring_records",
     "score_job",
     "summarize",
 ]
@@ -78,6 +79,10 @@ class JobTruth:
     """Healthy iteration time (seconds)."""
     jitter: float
     """Scale of the log jitter."""
+    pause: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    """(n,) seconds of each iteration spent in one pause (a GC pause, an evaluation or
+    checkpoint, a data-loader stall) rather than spread over its compute; None if
+    unknown. :func:`render_calls` puts it at one point of the iteration."""
 
     @property
     def positive(self) -> bool:
@@ -116,6 +121,7 @@ class _Series:
         self.transients: list[tuple[int, int]] = []
         self.fail_slows: list[FailSlow] = []
         self._busy = np.zeros(n, dtype=bool)
+        self._pause_log = np.zeros(n)
 
     def gaussian_jitter(self) -> None:
         self.log_x += self.rng.normal(0.0, self.jitter, self.n)
@@ -136,9 +142,13 @@ class _Series:
             total += shift
             self.log_x[at:] += np.log1p(shift)
 
-    def transient(self, start: int, factors: np.ndarray | list[float]) -> bool:
+    def transient(
+        self, start: int, factors: np.ndarray | list[float], *, point: int | None = None
+    ) -> bool:
         """Brief disturbance of len(factors) <= 3 iterations; refused (False) when it
-        would come within 4 iterations of another."""
+        would come within 4 iterations of another. The first ``point`` iterations' extra
+        time (default all) is one pause; the rest is spread over their compute (the
+        slow iterations after a GC pause)."""
         length = len(factors)
         if start < 0 or start + length > self.n:
             return False
@@ -146,7 +156,10 @@ class _Series:
         if self._busy[lo:hi].any():
             return False
         self._busy[start : start + length] = True
-        self.log_x[start : start + length] += np.log(np.asarray(factors, dtype=float))
+        logs = np.log(np.asarray(factors, dtype=float))
+        self.log_x[start : start + length] += logs
+        point = length if point is None else point
+        self._pause_log[start : start + point] += logs[:point]
         self.transients.append((start, length))
         return True
 
@@ -172,11 +185,13 @@ class _Series:
         return out
 
     def done(self, generator: str) -> tuple[np.ndarray, JobTruth]:
+        x = np.exp(self.log_x)
         truth = JobTruth(
             generator=generator, fail_slows=tuple(sorted(self.fail_slows, key=lambda f: f.onset)),
             transients=tuple(sorted(self.transients)), base=self.base, jitter=self.jitter,
+            pause=x * -np.expm1(-np.maximum(self._pause_log, 0.0)),
         )
-        return np.exp(self.log_x), truth
+        return x, truth
 
 
 def _log_uniform_int(rng: np.random.Generator, lo: int, hi: int) -> int:
@@ -199,7 +214,7 @@ def _gc(s: _Series, *, burst_prob: float) -> None:
         if s.rng.random() < burst_prob:
             # Right after a GC pause the allocator re-warms: 2 more slow iterations.
             burst = s.rng.uniform(1.1, 1.6, 2)
-            s.transient(at, [pause, *burst])
+            s.transient(at, [pause, *burst], point=1)
         else:
             s.transient(at, [pause])
         at += every + int(s.rng.integers(-3, 4))
@@ -469,12 +484,20 @@ def render_calls(
     *,
     layout: str = "ddp",
     warmup_calls: int = 40,
-    first_call_at: tuple[float, float] = (0.0, 0.05),
+    first_call_at: tuple[float, float] | None = None,
+    pause: np.ndarray | None = None,
 ) -> tuple[CallTrace, np.ndarray]:
     """One rank's calls for iteration times ``x``: iteration i starts at
-    ``sum(x[:i])`` and its calls sit at fixed fractions of it (scaled with it), the
-    first one at a fraction drawn from ``first_call_at``; warm-up Broadcasts and a
-    Barrier come first.
+    ``sum(x[:i])``; its compute (x[i] less its pause) is spread over fixed fractions
+    of it where the calls sit, the first one at a fraction drawn from
+    ``first_call_at`` ("ddp": the bucket AllReduces evenly from there to 0.9, the loss
+    AllReduce at 0.93; "hybrid": the rest at random fractions up to 0.95); its pause, if any, sits at a random point of it (calls after
+    that point wait for it). Warm-up Broadcasts and a Barrier come first.
+
+    Where the first call sits matters: an iteration is measured from its first call
+    to the next iteration's (:class:`~greyhound.analytics.period.IterationClock`), so
+    a slowdown spread over an iteration's compute shows partly (that fraction) in the
+    measured iteration before it; a pause shows in one measured iteration.
 
     Args:
         rng: the random generator.
@@ -486,7 +509,11 @@ def render_calls(
         warmup_calls: Broadcast calls before the first iteration (the last one a
             Barrier).
         first_call_at: range of the first call's offset, as a fraction of the
-            iteration (the rest of the calls follow at random fractions up to 0.95).
+            iteration; default (0.3, 0.6) for "ddp" (the first gradient bucket's AllReduce comes
+            in the middle of the backward pass) and (0, 0.05) for "hybrid" (the first
+            pipeline Recv opens the forward pass).
+        pause: (n,) seconds of each iteration that are one pause (``truth.pause``);
+            default none.
 
     Returns:
         (trace, iteration_start): iteration_start is (n + 1,) seconds.
@@ -506,12 +533,22 @@ def render_calls(
     else:
         raise ValueError(f"layout must be 'ddp' or 'hybrid', got {layout!r}")
     p = len(pattern)
+    if first_call_at is None:
+        first_call_at = (0.3, 0.6) if layout == "ddp" else (0.0, 0.05)
     first = rng.uniform(*first_call_at)
-    offsets = np.sort(np.concatenate(([first], rng.uniform(first, 0.95, p - 1))))
+    if layout == "ddp":
+        # Gradient buckets through the backward pass, the loss AllReduce at its end.
+        offsets = np.concatenate((np.linspace(first, 0.9, p - 1), [0.93]))
+    else:
+        offsets = np.sort(np.concatenate(([first], rng.uniform(first, 0.95, p - 1))))
     offsets[1:] = np.maximum(offsets[1:], offsets[:-1] + 1e-6)
     t0 = 1.0 + warmup_calls * 1e-3
     starts = t0 + np.concatenate(([0.0], np.cumsum(x)))
-    times = (starts[:-1, None] + offsets[None, :] * x[:, None]).reshape(-1)
+    held = np.zeros(len(x)) if pause is None else np.clip(np.asarray(pause, float), 0.0, x)
+    compute = x - held
+    at = rng.random(len(x))
+    times = (starts[:-1, None] + offsets[None, :] * compute[:, None]
+             + np.where(offsets[None, :] > at[:, None], held[:, None], 0.0)).reshape(-1)
     ops = np.array([c[0] for c in pattern] * len(x), dtype=np.int64)
     comms = np.array([c[1] for c in pattern] * len(x), dtype=np.int64)
     sizes = np.array([c[2] for c in pattern] * len(x), dtype=np.int64)
@@ -633,4 +670,72 @@ def summarize(scores: list[JobScore], *, iterations: int | None = None) -> dict:
     if iterations:
         out["iterations"] = iterations
         out["spurious_changepoints_per_10k"] = 1e4 * out["spurious_changepoints"] / iterations
+    return out
+
+
+def ring_records(
+    trace: CallTrace,
+    *,
+    rng: np.random.Generator | None = None,
+    async_fraction: float = 0.0,
+    duration: float = 0.2,
+) -> np.ndarray:
+    """A call trace as the hook's ring records (``greyhound.ring.RECORD_DTYPE``).
+
+    Each call becomes one record (op by name, comm_id, size_bytes, t_start_ns; t_end_ns
+    ``duration`` of the gap to the next call later). With ``async_fraction``, that share
+    of the calls (at random) are async (F_ASYNC, t_end_ns right after the start) and
+    a WAIT record with their req_id follows, at their completion; a GROUP record sits
+    before each iteration's first call now and then. ``seq`` numbers all records.
+
+    Args:
+        trace: the calls.
+        rng: for the async calls and the extra records (required when async_fraction > 0).
+        async_fraction: share of calls made async.
+        duration: a blocking call lasts this share of the gap to the next call.
+
+    Returns:
+        (m,) records in ring order, m >= number of calls.
+    """
+    from greyhound import ring
+
+    n = len(trace.time)
+    t_ns = np.rint(trace.time * 1e9).astype(np.uint64)
+    gap = np.diff(t_ns, append=t_ns[-1:] + np.uint64(1_000_000) if n else t_ns).astype(np.int64)
+    end = t_ns + np.maximum(1, (gap * duration).astype(np.int64)).astype(np.uint64)
+    codes = np.array([ring.OP[name] for name in OP_NAMES], dtype=np.uint16)
+    calls = np.zeros(n, dtype=ring.RECORD_DTYPE)
+    calls["op"] = codes[trace.op]
+    calls["comm_id"] = trace.comm.astype(np.uint64)
+    calls["size_bytes"] = trace.nbytes.astype(np.uint64)
+    calls["t_start_ns"] = t_ns
+    calls["t_end_ns"] = end
+    calls["peer"] = -1
+    calls["source"] = 2
+    if async_fraction <= 0:
+        calls["seq"] = np.arange(1, n + 1)
+        return calls
+    if rng is None:
+        raise ValueError("ring_records: async_fraction > 0 needs an rng")
+    is_async = rng.random(n) < async_fraction
+    calls["flags"][is_async] = ring.F_ASYNC
+    calls["req_id"][is_async] = np.arange(1, int(is_async.sum()) + 1)
+    calls["t_end_ns"][is_async] = t_ns[is_async] + np.uint64(1000)
+    waits = np.zeros(int(is_async.sum()), dtype=ring.RECORD_DTYPE)
+    waits["op"] = ring.OP["Wait"]
+    waits["req_id"] = calls["req_id"][is_async]
+    waits["t_start_ns"] = end[is_async]
+    waits["t_end_ns"] = end[is_async]
+    waits["comm_id"] = calls["comm_id"][is_async]
+    groups = np.zeros(int(n // 50), dtype=ring.RECORD_DTYPE)
+    at = np.sort(rng.choice(n, size=len(groups), replace=False)) if len(groups) else np.zeros(0, int)
+    groups["op"] = ring.OP["Group"]
+    groups["t_start_ns"] = t_ns[at]
+    groups["t_end_ns"] = t_ns[at]
+    # Order: a call at its start time; a WAIT at its end time; a GROUP just before the
+    # call it precedes.
+    keys = np.concatenate((t_ns.astype(np.float64), waits["t_end_ns"].astype(np.float64) + 0.5,
+                           groups["t_start_ns"].astype(np.float64) - 0.5))
+    out = np.concatenate((calls, waits, groups))[np.argsort(keys, kind="stable")]
+    out["seq"] = np.arange(1, len(out) + 1)
     return out

@@ -1,0 +1,526 @@
+"""One rank's online tracking state, for the node agent: ring records in, iteration
+times, change points and slow intervals out. Pure: no I/O, no clock, no threads.
+
+The agent polls the rank's ring (:meth:`greyhound.ring.RingReader.read`) and hands
+each batch to :meth:`RankTracker.feed`::
+
+    tracker = RankTracker(rank=reader.info.rank)
+    while running:
+        batch = reader.read()
+        update = tracker.feed(batch.records, lost=batch.lost)
+        publish(update.iteration_times, update.changepoints, tracker.current_slow_interval)
+
+What it does with them:
+
+- Communication calls (ops of :data:`greyhound.ring.CALL_OPS`) go, in ring order, to
+  an :class:`~greyhound.analytics.period.IterationClock`: it locks onto the period
+  (calls per iteration, by the ACF rule), numbers the iterations (once locked,
+  iteration k of a lock starts at a fixed call; re-locked only when the pattern
+  stops repeating, see the clock) and reports each iteration's time as soon as its
+  calls are in.
+- The iteration times go, as they come, to one :class:`~greyhound.analytics.verify.BocdV`
+  (the compiled BOCD+V); the slow intervals are
+  :func:`~greyhound.analytics.intervals.slow_intervals` of the series and its change
+  points. So the tracker's answer is, at the end of a stream, the answer of
+  ``greyhound detect`` on the same calls (:func:`~greyhound.analytics.period.iteration_times_from_calls`,
+  then :func:`~greyhound.analytics.detect.detect_series`), however the calls were
+  split into polls.
+- Lost records (overwritten in the ring before the agent read them, or left
+  unfinished by a dying writer) show as gaps in ``seq``; they are counted
+  (:attr:`RankTracker.lost_records`), and the iterations whose calls span a gap are
+  listed (:attr:`TrackerUpdate.gap_iterations`): their time may include calls that
+  were never seen, and the iteration numbers after a gap lag the job's by the
+  iterations lost (up to ``lost / period``). BOCD+V sees such an iteration as one
+  brief disturbance and does not report it.
+- Per call, kept for the last ``history_calls`` calls: its iteration and position in
+  it, its number among its communicator's calls (the n-th call on a communicator is
+  the same collective on every member, so the master matches ranks' arrivals on
+  (comm_id, comm_ordinal)), its enqueue time, and its duration once known (the call's
+  own return for a blocking call, its WAIT record for an async one, its DONE record's
+  device time where the hook times the device). :meth:`RankTracker.arrivals` and
+  :meth:`RankTracker.comm_times` read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from greyhound.analytics.bocd import BocdConfig
+from greyhound.analytics.changepoint import ChangePoint
+from greyhound.analytics.detect import Detection
+from greyhound.analytics.intervals import SlowInterval, healthy_level, slow_intervals
+from greyhound.analytics.period import ClockConfig, IterationClock
+from greyhound.analytics.verify import BocdV, VerifyConfig
+from greyhound.ring import CALL_OPS, F_ASYNC, F_DEVICE_TIMED, OP
+
+__all__ = ["TrackerConfig", "TrackerUpdate", "RankTracker", "ARRIVAL_DTYPE", "COMM_TIME_DTYPE"]
+
+_WAIT, _DONE = OP["Wait"], OP["Done"]
+_CALL_OPS = np.array(sorted(CALL_OPS), dtype=np.uint16)
+_NEEDED = ("seq", "t_start_ns", "t_end_ns", "size_bytes", "comm_id", "req_id", "op", "flags")
+
+ARRIVAL_DTYPE = np.dtype([
+    ("iteration", "<i8"),      # -1: before the first lock (warm-up) or between locks
+    ("position", "<i4"),       # index of the call within its iteration
+    ("call_number", "<i8"),    # the hook's call number (1, 2, ...; see RingReader.calls)
+    ("comm_id", "<u8"),
+    ("comm_ordinal", "<i8"),   # 0, 1, ... among this rank's calls on comm_id
+    ("op", "<u2"),
+    ("size_bytes", "<u8"),
+    ("t_start_ns", "<u8"),     # enqueue time (CLOCK_MONOTONIC)
+    ("t_end_ns", "<u8"),       # return of the call
+    ("seconds", "<f8"),        # duration once known, else NaN
+])
+"""One row per communication call (:meth:`RankTracker.arrivals`)."""
+
+COMM_TIME_DTYPE = np.dtype([
+    ("iteration", "<i8"),
+    ("comm_id", "<u8"),
+    ("calls", "<i4"),
+    ("pending", "<i4"),        # calls whose duration is not known yet
+    ("seconds", "<f8"),        # sum of the known durations
+    ("size_bytes", "<u8"),
+])
+"""One row per (iteration, communicator) (:meth:`RankTracker.comm_times`)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrackerConfig:
+    """Parameters of a rank's tracker."""
+
+    clock: ClockConfig = dataclasses.field(default_factory=ClockConfig)
+    """Period lock and iteration numbering."""
+    bocd: BocdConfig | None = None
+    """BOCD model (default :class:`~greyhound.analytics.bocd.BocdConfig`)."""
+    verify: VerifyConfig | None = None
+    """BOCD+V verification (default :class:`~greyhound.analytics.verify.VerifyConfig`)."""
+    history_calls: int = 1 << 17
+    """Calls whose arrival and duration are kept (the newest)."""
+
+    def __post_init__(self) -> None:
+        if self.history_calls < 1:
+            raise ValueError(f"history_calls must be >= 1, got {self.history_calls!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrackerUpdate:
+    """What one :meth:`RankTracker.feed` added."""
+
+    first_iteration: int
+    """Number of the first iteration in ``iteration_times``."""
+    withdrawn_from: int | None
+    """Iterations from this number on that earlier updates reported are withdrawn
+    (with the change points detected at or after it): the call pattern had changed
+    under them, and the clock locked again; the numbers are reused."""
+    iteration_times: np.ndarray
+    """(m,) seconds of the iterations completed by this batch."""
+    available_at_ns: np.ndarray
+    """(m,) uint64: enqueue time of the call that completed each (CLOCK_MONOTONIC)."""
+    changepoints: tuple[ChangePoint, ...]
+    """Change points accepted during this batch (iteration numbers)."""
+    gap_iterations: tuple[int, ...]
+    """Iterations among these whose calls span lost records."""
+    records: int
+    """Records in the batch."""
+    calls: int
+    """Communication calls among them."""
+    lost: int
+    """Records lost right before or inside this batch (gaps in ``seq``)."""
+
+
+class RankTracker:
+    """One rank's online state (see the module docstring).
+
+    Args:
+        rank: the rank, for the caller's bookkeeping only.
+        config: parameters.
+    """
+
+    def __init__(self, *, rank: int | None = None, config: TrackerConfig | None = None) -> None:
+        self.rank = rank
+        self.config = config or TrackerConfig()
+        self._clock = IterationClock(self.config.clock)
+        self._detector = BocdV(bocd=self.config.bocd, verify=self.config.verify)
+        self._x = np.empty(1024)
+        self._n = 0
+        self._changepoints: list[ChangePoint] = []
+        self._last_seq = 0
+        self.lost_records = 0
+        """Records lost so far (gaps in ``seq``)."""
+        self.reported_lost = 0
+        """Sum of the ``lost`` the caller passed (the reader's count)."""
+        self.num_records = 0
+        self._gap_calls: list[int] = []  # call index right after each gap
+        self._gap_iterations: list[int] = []
+        self._comm_counts: dict[int, int] = {}
+        self._table = _CallTable(self.config.history_calls)
+        self._async: dict[int, int] = {}  # req_id -> call index (unfinished async calls)
+        self._finished = False
+
+    # ---- feeding --------------------------------------------------------------------
+
+    def feed(self, records: np.ndarray, *, lost: int = 0) -> TrackerUpdate:
+        """Add the next batch of ring records (in ring order).
+
+        Args:
+            records: (n,) structured array with the fields of
+                ``greyhound.ring.RECORD_DTYPE`` (at least seq, t_start_ns, t_end_ns,
+                size_bytes, comm_id, req_id, op, flags), as
+                :meth:`greyhound.ring.RingReader.read` returns them: all kinds of
+                records, the tracker picks the calls.
+            lost: records the reader counted as lost for this batch (kept as
+                :attr:`reported_lost`; the tracker counts gaps in ``seq`` itself).
+
+        Returns:
+            A :class:`TrackerUpdate`.
+        """
+        if self._finished:
+            raise ValueError("tracker: the stream was finished; a new stream needs a new tracker")
+        records = np.asarray(records)
+        names = records.dtype.names or ()
+        missing = [f for f in _NEEDED if f not in names]
+        if missing or records.ndim != 1:
+            raise ValueError(
+                f"tracker: records must be a 1-D array with the ring record fields; "
+                f"missing {', '.join(missing) or 'none'}, ndim {records.ndim}"
+            )
+        if lost < 0:
+            raise ValueError(f"tracker: lost must be >= 0, got {lost!r}")
+        self.reported_lost += int(lost)
+        self.num_records += len(records)
+        gap = self._count_gaps(records["seq"].astype(np.int64))
+        is_call = np.isin(records["op"], _CALL_OPS)
+        calls = records[is_call]
+        first_new = self._clock.num_calls
+        if gap:
+            # The next call seen is the first after lost records (a gap inside the
+            # batch is placed at its first call after it: close enough for marking).
+            self._gap_calls.append(first_new + self._first_call_after_gap(records, is_call))
+        self._record_calls(calls, first_new)
+        self._complete(records[~is_call])
+        step = self._clock.feed(
+            calls["op"], calls["comm_id"], calls["size_bytes"],
+            calls["t_start_ns"].astype(np.float64) * 1e-9,
+        )
+        return self._take(step, len(records), len(calls), gap)
+
+    def finish(self) -> TrackerUpdate:
+        """The stream ended (the rank exited): lock on what is there if nothing is
+        locked yet (as ``greyhound detect`` does on a whole trace)."""
+        step = self._clock.finish()
+        self._finished = True
+        return self._take(step, 0, 0, 0)
+
+    def _withdraw(self, first: int) -> None:
+        """Iterations from ``first`` on were measured under a lock that had ended (the
+        clock withdrew them): forget them, and bring BOCD+V back to where it stood
+        before them by replaying the series (a rare event: a change of pattern)."""
+        self._n = first
+        self._changepoints = [cp for cp in self._changepoints if cp.detected_at < first]
+        self._gap_iterations = [k for k in self._gap_iterations if k < first]
+        self._detector = BocdV(bocd=self.config.bocd, verify=self.config.verify)
+        replayed = self._detector.feed(self._x[:first])
+        if replayed != self._changepoints:  # pragma: no cover - BocdV is online
+            raise AssertionError("tracker: replaying BOCD+V gave other change points")
+
+    def _count_gaps(self, seq: np.ndarray) -> int:
+        if not len(seq):
+            return 0
+        expected = np.concatenate(([self._last_seq + 1], seq[:-1] + 1))
+        gaps = np.maximum(seq - expected, 0)
+        self._last_seq = max(self._last_seq, int(seq[-1]))
+        total = int(gaps.sum())
+        self.lost_records += total
+        self._gap_at = int(np.argmax(gaps > 0)) if total else -1
+        return total
+
+    def _first_call_after_gap(self, records: np.ndarray, is_call: np.ndarray) -> int:
+        """Calls of the batch before the first gap's position."""
+        return int(is_call[: self._gap_at].sum())
+
+    def _take(self, step, num_records: int, num_calls: int, lost: int) -> TrackerUpdate:
+        if step.withdrawn_from is not None and step.withdrawn_from < self._n:
+            self._withdraw(step.withdrawn_from)
+        times = step.iteration_times
+        m = len(times)
+        if self._n + m > len(self._x):
+            grown = np.empty(max(2 * len(self._x), self._n + m))
+            grown[: self._n] = self._x[: self._n]
+            self._x = grown
+        self._x[self._n : self._n + m] = times
+        self._n += m
+        cps = tuple(self._detector.feed(times)) if m else ()
+        self._changepoints.extend(cps)
+        gaps: list[int] = []
+        if m and self._gap_calls:
+            p = self._clock.segments[-1].period if self._clock.segments else 1
+            first_call = step.first_call
+            for g in self._gap_calls:
+                # The iteration whose span [first call, first call + period] holds the
+                # first call after the gap.
+                hit = np.flatnonzero((first_call < g) & (first_call + p >= g))
+                gaps.extend(int(step.first_iteration + h) for h in hit)
+            # Keep gaps that later iterations may still span.
+            last = int(first_call[-1]) + p
+            self._gap_calls = [g for g in self._gap_calls if g > last]
+        self._gap_iterations.extend(gaps)
+        return TrackerUpdate(
+            withdrawn_from=step.withdrawn_from,
+            first_iteration=step.first_iteration, iteration_times=times,
+            available_at_ns=np.rint(step.available_at * 1e9).astype(np.uint64),
+            changepoints=cps, gap_iterations=tuple(gaps), records=num_records,
+            calls=num_calls, lost=lost,
+        )
+
+    # ---- calls: arrivals and durations ------------------------------------------------
+
+    def _record_calls(self, calls: np.ndarray, first_index: int) -> None:
+        k = len(calls)
+        if not k:
+            return
+        rows = np.zeros(k, dtype=_CALL_TABLE)
+        rows["index"] = np.arange(first_index, first_index + k)
+        for name in ("seq", "op", "comm_id", "req_id", "size_bytes", "t_start_ns", "t_end_ns",
+                     "flags"):
+            rows[name] = calls[name]
+        # Ordinal of each call among this rank's calls on its communicator.
+        comm = rows["comm_id"]
+        for c in np.unique(comm):
+            mine = comm == c
+            base = self._comm_counts.get(int(c), 0)
+            count = int(mine.sum())
+            rows["comm_ordinal"][mine] = base + np.arange(count)
+            self._comm_counts[int(c)] = base + count
+        blocking = (rows["flags"] & F_ASYNC) == 0
+        done = blocking & (rows["t_end_ns"] >= rows["t_start_ns"]) & (rows["t_end_ns"] > 0)
+        rows["seconds"] = np.nan
+        rows["seconds"][done] = (rows["t_end_ns"][done] - rows["t_start_ns"][done]) * 1e-9
+        for req, index in zip(rows["req_id"][~blocking].tolist(), rows["index"][~blocking].tolist()):
+            self._async[req] = index
+        self._table.append(rows)
+        oldest = self._table.first_index
+        if len(self._async) > 2 * self.config.history_calls:
+            self._async = {r: i for r, i in self._async.items() if i >= oldest}
+
+    def _complete(self, others: np.ndarray) -> None:
+        """Durations of async calls from their WAIT records, device times from DONE."""
+        table = self._table
+        if not len(others) or not len(table):
+            return
+        for rec in others[np.isin(others["op"], [_WAIT, _DONE])]:
+            if rec["op"] == _WAIT:
+                index = self._async.pop(int(rec["req_id"]), None)
+                row = table.row(index) if index is not None else None
+                if row is None:
+                    continue
+                rows = table.rows
+                start = int(rows["t_start_ns"][row])
+                if int(rec["t_end_ns"]) >= start and not rows["device"][row]:
+                    rows["seconds"][row] = (int(rec["t_end_ns"]) - start) * 1e-9
+            elif int(rec["flags"]) & F_DEVICE_TIMED:
+                rows = table.rows
+                row = int(np.searchsorted(rows["seq"], rec["req_id"]))
+                if row >= len(rows) or rows["seq"][row] != rec["req_id"]:
+                    continue
+                if int(rec["t_end_ns"]) >= int(rec["t_start_ns"]):
+                    rows["seconds"][row] = (int(rec["t_end_ns"]) - int(rec["t_start_ns"])) * 1e-9
+                    rows["device"][row] = True
+
+    def arrivals(self, first_iteration: int | None = None, last_iteration: int | None = None) -> np.ndarray:
+        """The kept calls, one row each (:data:`ARRIVAL_DTYPE`), of iterations in
+        [first_iteration, last_iteration] (default: all kept, warm-up included with
+        iteration -1).
+
+        ``call_number`` is the hook's call number (see ``RingReader.calls``): exact
+        while no record was lost; after a loss it lags by the calls among the lost
+        records (at most :attr:`lost_records`).
+        """
+        calls = self._table.rows
+        out = np.zeros(len(calls), dtype=ARRIVAL_DTYPE)
+        iteration, position = self._iterations_of(calls["index"])
+        out["iteration"] = iteration
+        out["position"] = position
+        out["call_number"] = calls["index"] + 1
+        for name in ("comm_id", "comm_ordinal", "op", "size_bytes", "t_start_ns", "t_end_ns",
+                     "seconds"):
+            out[name] = calls[name]
+        keep = np.ones(len(out), dtype=bool)
+        if first_iteration is not None:
+            keep &= out["iteration"] >= first_iteration
+        if last_iteration is not None:
+            keep &= (out["iteration"] <= last_iteration) & (out["iteration"] >= 0)
+        return out[keep]
+
+    def comm_times(self, first_iteration: int | None = None, last_iteration: int | None = None) -> np.ndarray:
+        """Per iteration and communicator: calls, the sum of their known durations,
+        bytes (:data:`COMM_TIME_DTYPE`), for the kept calls of iterations in
+        [first_iteration, last_iteration] (default: all kept iterations >= 0)."""
+        rows = self.arrivals(0 if first_iteration is None else first_iteration, last_iteration)
+        rows = rows[rows["iteration"] >= 0]
+        if not len(rows):
+            return np.zeros(0, dtype=COMM_TIME_DTYPE)
+        key = np.stack([rows["iteration"].astype(np.uint64), rows["comm_id"]], axis=1)
+        uniq, inverse = np.unique(key, axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        out = np.zeros(len(uniq), dtype=COMM_TIME_DTYPE)
+        out["iteration"] = uniq[:, 0].astype(np.int64)
+        out["comm_id"] = uniq[:, 1]
+        known = ~np.isnan(rows["seconds"])
+        out["calls"] = np.bincount(inverse, minlength=len(uniq))
+        out["pending"] = np.bincount(inverse, weights=~known, minlength=len(uniq))
+        out["seconds"] = np.bincount(inverse, weights=np.where(known, rows["seconds"], 0.0),
+                                     minlength=len(uniq))
+        out["size_bytes"] = np.bincount(inverse, weights=rows["size_bytes"].astype(np.float64),
+                                        minlength=len(uniq)).astype(np.uint64)
+        return out
+
+    def _iterations_of(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Iteration (-1 if none) and position in it of calls by their index."""
+        iteration = np.full(len(index), -1, dtype=np.int64)
+        position = np.full(len(index), -1, dtype=np.int32)
+        segments = self._clock.segments
+        for k, seg in enumerate(segments):
+            if k + 1 < len(segments):
+                end_iteration: int | None = segments[k + 1].first_iteration
+            else:
+                end_iteration = None if self._clock.locked else self._clock.num_iterations
+            hi = (seg.start_call + (end_iteration - seg.first_iteration) * seg.period
+                  if end_iteration is not None else None)
+            inside = index >= seg.start_call
+            if hi is not None:
+                inside &= index < hi
+            offset = index[inside] - seg.start_call
+            iteration[inside] = seg.first_iteration + offset // seg.period
+            position[inside] = offset % seg.period
+        return iteration, position
+
+    # ---- state ----------------------------------------------------------------------
+
+    @property
+    def period(self) -> int | None:
+        """Calls per iteration of the current lock; None while unlocked."""
+        return self._clock.period
+
+    @property
+    def locked(self) -> bool:
+        return self._clock.locked
+
+    @property
+    def num_calls(self) -> int:
+        """Communication calls seen."""
+        return self._clock.num_calls
+
+    @property
+    def num_iterations(self) -> int:
+        """Iterations reported (the next one gets this number)."""
+        return self._n
+
+    @property
+    def iteration_times(self) -> np.ndarray:
+        """(num_iterations,) seconds so far (a read-only view; 8 bytes an iteration)."""
+        view = self._x[: self._n]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def gap_iterations(self) -> tuple[int, ...]:
+        """Iterations whose calls spanned lost records."""
+        return tuple(self._gap_iterations)
+
+    @property
+    def changepoints(self) -> tuple[ChangePoint, ...]:
+        return tuple(self._changepoints)
+
+    def slow_intervals(self) -> list[SlowInterval]:
+        """Slow intervals of the series so far (as ``greyhound detect`` reports them)."""
+        if not self._n:
+            return []
+        return slow_intervals(self._x[: self._n], self._changepoints,
+                              min_slowdown=1.0 + self._detector.verify.min_change)
+
+    @property
+    def current_slow_interval(self) -> SlowInterval | None:
+        """The slow interval still open (end_index None), if any."""
+        intervals = self.slow_intervals()
+        return intervals[-1] if intervals and intervals[-1].end_index is None else None
+
+    @property
+    def fail_slow(self) -> bool:
+        return bool(self.slow_intervals())
+
+    def detection(self) -> Detection:
+        """Everything as one :class:`~greyhound.analytics.detect.Detection` (the
+        object ``greyhound detect`` prints)."""
+        intervals = self.slow_intervals()
+        x = self._x[: self._n]
+        return Detection(
+            method="bocd+v", iterations=self._n,
+            baseline_iteration_time=healthy_level(x, intervals) if self._n else float("nan"),
+            changepoints=tuple(self._changepoints), slow_intervals=tuple(intervals),
+        )
+
+    def call_number_of_iteration(self, iteration: int) -> int | None:
+        """The hook's number of the first call of ``iteration`` (reported or future,
+        of the current lock): what ``RingReader.pause(at_call=...)`` takes to park the
+        rank right before that iteration. None when unknown. Exact while no record was
+        lost (see :meth:`arrivals`)."""
+        start = self._clock.iteration_start_call(iteration)
+        return None if start is None else start + 1
+
+    def iteration_of_call_number(self, call_number: int) -> int | None:
+        """The iteration a hook call number falls in, if the lock says (inverse of
+        :meth:`call_number_of_iteration`)."""
+        iteration, _ = self._iterations_of(np.array([call_number - 1], dtype=np.int64))
+        return None if iteration[0] < 0 else int(iteration[0])
+
+
+_CALL_TABLE = np.dtype([
+    ("index", "<i8"), ("seq", "<u8"), ("op", "<u2"), ("comm_id", "<u8"), ("req_id", "<u8"),
+    ("comm_ordinal", "<i8"), ("size_bytes", "<u8"), ("t_start_ns", "<u8"),
+    ("t_end_ns", "<u8"), ("flags", "<u4"), ("seconds", "<f8"), ("device", "?"),
+])
+
+
+class _CallTable:
+    """The newest ``capacity`` call rows, appended in place (amortised O(1))."""
+
+    def __init__(self, capacity: int) -> None:
+        self._cap = capacity
+        self._buf = np.zeros(min(2 * capacity, 4096), dtype=_CALL_TABLE)
+        self._lo = 0
+        self._hi = 0
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The kept rows, oldest first (a view: writes go to the table)."""
+        return self._buf[self._lo : self._hi]
+
+    @property
+    def first_index(self) -> int:
+        return int(self._buf["index"][self._lo]) if self._hi > self._lo else 0
+
+    def row(self, index: int) -> int | None:
+        """Row of call ``index`` in :attr:`rows`, if kept (indices are consecutive)."""
+        if self._hi == self._lo:
+            return None
+        row = index - int(self._buf["index"][self._lo])
+        return row if 0 <= row < self._hi - self._lo else None
+
+    def append(self, rows: np.ndarray) -> None:
+        rows = rows[-self._cap :]
+        k = len(rows)
+        if self._hi + k > len(self._buf):
+            keep = self._buf[max(self._lo, self._hi - (self._cap - k)) : self._hi]
+            size = max(len(self._buf), min(2 * self._cap, 2 * (len(keep) + k)), len(keep) + k)
+            buf = np.zeros(size, dtype=_CALL_TABLE)
+            buf[: len(keep)] = keep
+            self._buf, self._lo, self._hi = buf, 0, len(keep)
+        self._buf[self._hi : self._hi + k] = rows
+        self._hi += k
+        if self._hi - self._lo > self._cap:
+            self._lo = self._hi - self._cap

@@ -1,0 +1,409 @@
+"""The node agent's per-rank tracker (greyhound.analytics.tracker) and its clock
+(greyhound.analytics.period.IterationClock)."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from greyhound import ring
+from greyhound.analytics.detect import detect_series
+from greyhound.analytics.period import (
+    ClockConfig,
+    IterationClock,
+    collect_steps,
+    iteration_times_from_calls,
+    iteration_times_from_ring_records,
+)
+from greyhound.analytics.scenarios import labelled_set, render_calls, ring_records
+from greyhound.analytics.synthetic import CallTrace, FailSlow, call_trace
+from greyhound.analytics.tracker import ARRIVAL_DTYPE, COMM_TIME_DTYPE, RankTracker
+from greyhound.cli import main
+
+
+def _feed_in_batches(tracker, records, rng, max_batches=60):
+    cuts = np.sort(rng.integers(0, len(records) + 1, int(rng.integers(0, max_batches))))
+    bounds = [0, *cuts.tolist(), len(records)]
+    updates = [tracker.feed(records[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+    updates.append(tracker.finish())
+    return updates
+
+
+def _records(x, *, seed=0, layout="ddp", async_fraction=0.3, **render):
+    rng = np.random.default_rng(seed)
+    trace, _ = render_calls(rng, x, layout=layout, **render)
+    return ring_records(trace, rng=rng, async_fraction=async_fraction)
+
+
+def CallTraceOf(op, comm, nbytes, t):
+    return CallTrace(op=op, comm=comm, nbytes=nbytes, time=t)
+
+
+def _csv(records, path):
+    calls = ring.call_records(records)
+    names = ring.op_names(calls)
+    lines = ["time,op,comm,bytes"]
+    for t, op, comm, nbytes in zip(calls["t_start_ns"], names, calls["comm_id"], calls["size_bytes"]):
+        lines.append(f"{float(int(t) * 1e-9)!r},{op},{int(comm):#x},{int(nbytes)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ---- the tracker gives greyhound detect's answer, however the calls come --------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches_give_the_whole_trace_answer_and_greyhound_detects(seed, tmp_path):
+    rng = np.random.default_rng(100 + seed)
+    jobs = labelled_set(split="tune", jobs_per_generator=1, generators=("gc_bursts", "steps"),
+                        seed=seed, positive_fraction=1.0, min_iterations=300,
+                        max_iterations=600)
+    for job in jobs:
+        layout = ("ddp", "hybrid")[seed % 2]
+        records = _records(job.x, seed=seed, layout=layout, pause=job.truth.pause)
+        online = RankTracker()
+        updates = _feed_in_batches(online, records, rng)
+        whole = RankTracker()
+        whole.feed(records)
+        whole.finish()
+        calls = iteration_times_from_ring_records(ring.call_records(records))
+        batch = detect_series(calls.iteration_times)
+        assert online.period == whole.period == calls.period
+        np.testing.assert_array_equal(online.iteration_times, calls.iteration_times)
+        np.testing.assert_array_equal(whole.iteration_times, calls.iteration_times)
+        assert online.changepoints == whole.changepoints == batch.changepoints
+        assert online.detection() == whole.detection() == batch
+        # The updates carried exactly the series and the change points, in order.
+        np.testing.assert_array_equal(
+            np.concatenate([u.iteration_times for u in updates]), calls.iteration_times
+        )
+        assert [cp for u in updates for cp in u.changepoints] == list(batch.changepoints)
+        assert [u.first_iteration for u in updates if len(u.iteration_times)] == sorted(
+            u.first_iteration for u in updates if len(u.iteration_times)
+        )
+        # greyhound detect on the rank's calls exported to CSV: the same JSON.
+        out = CliRunner().invoke(main, ["detect", "--json", str(_csv(records, tmp_path / "t.csv"))])
+        assert out.exit_code == 0, out.output
+        got = json.loads(out.output)
+        assert got["period"] == online.period and got["iterations"] == online.num_iterations
+        assert got["changepoints"] == [cp.as_dict() for cp in online.changepoints]
+        assert got["slow_intervals"] == [si.as_dict() for si in online.slow_intervals()]
+        assert got["fail_slow"] is online.fail_slow
+
+
+def test_updates_report_iterations_when_their_calls_are_in():
+    x = np.full(300, 0.5)
+    records = _records(x, async_fraction=0.0, layout="hybrid")
+    tracker = RankTracker()
+    seen = 0
+    for k in range(len(records)):
+        update = tracker.feed(records[k : k + 1])
+        if len(update.iteration_times):
+            # Never a time from a call that has not arrived.
+            assert int(update.available_at_ns.max()) <= int(records["t_start_ns"][k])
+            assert update.first_iteration == seen
+            seen += len(update.iteration_times)
+    assert seen == tracker.num_iterations >= 290
+
+
+# ---- the issue's cases ----------------------------------------------------------------
+
+
+def test_a_partial_first_iteration_is_no_fail_slow_and_an_injection_is_found():
+    # Rank 0 of the reference job: the first iteration 0.151 s, the rest about 0.19 s;
+    # a compute injection (1.4x) on iterations 150-199.
+    rng = np.random.default_rng(7)
+    x = 0.19 * np.exp(rng.normal(0, 0.01, 260))
+    x[0] = 0.151
+    healthy = RankTracker()
+    _feed_in_batches(healthy, _records(x, layout="ddp"), rng)
+    assert healthy.changepoints == () and not healthy.fail_slow
+    assert healthy.detection().baseline_iteration_time == pytest.approx(0.19, rel=0.02)
+    x[150:200] *= 1.4
+    tracker = RankTracker()
+    _feed_in_batches(tracker, _records(x, layout="ddp"), rng)
+    onset, recovery = tracker.changepoints
+    assert (onset.index, onset.detected_at) == (150, 153)
+    assert (recovery.index, recovery.detected_at) == (200, 203)
+    (interval,) = tracker.slow_intervals()
+    assert (interval.start_index, interval.end_index) == (150, 200)
+    assert interval.slowdown == pytest.approx(1.4, rel=0.03)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "hybrid"])
+def test_brief_disturbances_are_no_fail_slow(layout):
+    # A GC pause, an evaluation, a GC pause with 2 slow iterations after it, a
+    # data-loader stall: 1-3 iterations each, every 40 iterations.
+    rng = np.random.default_rng(8)
+    x = np.exp(rng.normal(0, 0.01, 400))
+    pause = np.zeros(400)
+    for at, factors, point in [(50, [2.0], 1), (90, [3.0, 3.0], 2), (130, [2.2, 1.5, 1.4], 1),
+                               (170, [1.8], 1), (210, [2.0, 1.6, 1.6], 1), (250, [4.0], 1)]:
+        x[at : at + len(factors)] *= factors
+        pause[at : at + point] = x[at : at + point] * (1 - 1 / np.array(factors[:point]))
+    tracker = RankTracker()
+    _feed_in_batches(tracker, _records(x, layout=layout, pause=pause), rng)
+    assert [cp for cp in tracker.changepoints if cp.ratio > 1] == []
+    assert not tracker.fail_slow
+
+
+# ---- numbering ----------------------------------------------------------------------
+
+
+def test_the_numbering_never_shifts_and_gives_the_hooks_call_numbers():
+    trace, truth = call_trace(seed=3, num_iterations=120, warmup_calls=30)
+    records = ring_records(trace)
+    p = truth.calls_per_iteration
+    tracker = RankTracker()
+    promised = {}
+    for lo in range(0, len(records), 97):
+        tracker.feed(records[lo : lo + 97])
+        if tracker.locked:
+            # A future iteration's first call, asked ahead of time, is where it starts.
+            k = tracker.num_iterations + 5
+            promised.setdefault(k, tracker.call_number_of_iteration(k))
+    assert tracker.period == p
+    for k, number in promised.items():
+        assert number == 30 + k * p + 1  # the hook numbers calls 1, 2, ...
+        assert tracker.iteration_of_call_number(number) == k
+        assert tracker.iteration_of_call_number(number - 1) == k - 1
+    arrivals = tracker.arrivals()
+    assert arrivals.dtype == ARRIVAL_DTYPE
+    np.testing.assert_array_equal(arrivals["call_number"], np.arange(1, len(trace.op) + 1))
+    body = arrivals[arrivals["iteration"] >= 0]
+    np.testing.assert_array_equal(body["iteration"], (np.arange(len(body))) // p)
+    np.testing.assert_array_equal(body["position"], np.arange(len(body)) % p)
+    assert np.all(arrivals["iteration"][:30] == -1)  # the warm-up
+
+
+def test_a_new_pattern_is_locked_again_and_the_numbers_go_on():
+    # 300 iterations of one layout, then a re-split (another pattern, 80 iterations).
+    a, _ = call_trace(seed=1, num_iterations=300, tp=2, pp=2, microbatches=4, warmup_calls=20)
+    b, truth_b = call_trace(seed=2, num_iterations=200, tp=2, pp=2, microbatches=2,
+                            warmup_calls=0)
+    op = np.concatenate((a.op, b.op))
+    comm = np.concatenate((a.comm, b.comm))
+    nbytes = np.concatenate((a.nbytes, b.nbytes))
+    t = np.concatenate((a.time, b.time + a.time[-1] + 1.0))
+    clock = IterationClock()
+    steps = [clock.feed(op[lo : lo + 500], comm[lo : lo + 500], nbytes[lo : lo + 500],
+                        t[lo : lo + 500]) for lo in range(0, len(op), 500)]
+    steps.append(clock.finish())
+    assert [s.period for s in clock.segments] == [51, truth_b.calls_per_iteration]
+    second = clock.segments[1]
+    # The new lock starts where the new pattern repeats (a's last calls may be b's).
+    assert len(a.op) - truth_b.calls_per_iteration < second.start_call < len(a.op) + 200
+    # The iterations measured with the old period over the new pattern (the evidence)
+    # were withdrawn, and their numbers went to the new lock.
+    (withdrawal,) = [s for s in steps if s.withdrawn_from is not None]
+    assert withdrawal.withdrawn_from == second.first_iteration
+    assert 300 - 8 <= second.first_iteration <= 300
+    times, _, first = collect_steps(steps)
+    assert len(times) == second.first_iteration + (len(op) - 1 - second.start_call) // 27
+    assert np.all(np.diff(first) > 0)
+    # (1 s iterations, a GC pause every 50th.)
+    assert np.median(times[: second.first_iteration]) == pytest.approx(1.0, rel=0.03)
+    assert np.median(times[second.first_iteration :]) == pytest.approx(1.0, rel=0.03)
+    whole = iteration_times_from_calls(op, comm, nbytes, t)
+    np.testing.assert_array_equal(whole.iteration_times, times)
+    # The tracker forgets them too, and finds no fail-slow in the change.
+    records = ring_records(CallTraceOf(op, comm, nbytes, t))
+    tracker = RankTracker()
+    updates = [tracker.feed(records[lo : lo + 700]) for lo in range(0, len(records), 700)]
+    assert any(u.withdrawn_from == second.first_iteration for u in updates)
+    np.testing.assert_allclose(tracker.iteration_times, times, rtol=1e-8)  # ns records
+    assert not tracker.fail_slow
+
+
+def test_a_motif_inside_the_iteration_is_not_locked():
+    # 128 identical TP AllReduces forward, 128 backward (other bytes), then DP calls.
+    pattern = [(1, 1, 4), ] * 128 + [(1, 1, 8)] * 128 + [(2, 2, 64), (3, 2, 64), (1, 3, 8)]
+    op = np.array([c[0] for c in pattern] * 40)
+    comm = np.array([c[1] for c in pattern] * 40)
+    nbytes = np.array([c[2] for c in pattern] * 40)
+    t = np.arange(len(op)) * 1e-3
+    warm = 300  # warm-up broadcasts of varying size
+    op = np.concatenate((np.full(warm, 4), op))
+    comm = np.concatenate((np.full(warm, 9), comm))
+    nbytes = np.concatenate((np.random.default_rng(0).integers(1, 64, warm), nbytes))
+    t = np.concatenate((np.arange(warm) * 1e-4, t + 1.0))
+    clock = IterationClock()
+    step = clock.feed(op, comm, nbytes, t)
+    # Locked online once 16 periods after the first clean one confirmed it.
+    assert clock.period == 259 and clock.segments[0].start_call == warm
+    np.testing.assert_allclose(step.iteration_times, 0.259)
+
+
+def test_data_parallel_iterations_are_measured_between_last_calls():
+    # Compute before the calls (forward, then the backward pass with the buckets):
+    # measured between first calls, a slow iteration would spread into its neighbour.
+    rng = np.random.default_rng(4)
+    x = 1.0 + 0.05 * rng.standard_normal(600)
+    clock = IterationClock()
+    trace, starts = render_calls(rng, x, layout="ddp", first_call_at=(0.5, 0.5))
+    step = clock.feed(trace.op, trace.comm, trace.nbytes, trace.time)
+    assert clock.segments[0].backward
+    # Iteration k spans the last call of k - 1 to the last of k: the 7% after the last
+    # call is all that leaks.
+    np.testing.assert_allclose(step.iteration_times[1:], 0.93 * x[1:] + 0.07 * x[:-1], rtol=1e-9)
+    trace, _ = render_calls(rng, x, layout="hybrid")
+    clock = IterationClock()
+    clock.feed(trace.op, trace.comm, trace.nbytes, trace.time)
+    assert not clock.segments[0].backward
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), cuts=st.lists(st.integers(0, 20_000), max_size=30))
+def test_the_clock_does_not_depend_on_the_batches(seed, cuts):
+    rng = np.random.default_rng(seed)
+    layout = dict(tp=int(rng.choice([1, 2, 8])), pp=int(rng.choice([1, 2])),
+                  microbatches=int(rng.choice([1, 4, 16])), warmup_calls=int(rng.integers(0, 300)),
+                  eval_every=int(rng.choice([0, 30])))
+    trace, _ = call_trace(seed=seed, num_iterations=60, **layout)
+    n = len(trace.op)
+    whole = iteration_times_from_calls(trace.op, trace.comm, trace.nbytes, trace.time)
+    clock = IterationClock(ClockConfig(confirm_calls=256))
+    bounds = [0, *sorted(c for c in cuts if c <= n), n]
+    steps = [clock.feed(trace.op[lo:hi], trace.comm[lo:hi], trace.nbytes[lo:hi], trace.time[lo:hi])
+             for lo, hi in zip(bounds, bounds[1:])]
+    steps.append(clock.finish())
+    other = IterationClock(ClockConfig(confirm_calls=256))
+    single = [other.feed(trace.op, trace.comm, trace.nbytes, trace.time), other.finish()]
+    for got, want in ((steps, single),):
+        np.testing.assert_array_equal(np.concatenate([s.iteration_times for s in got]),
+                                      np.concatenate([s.iteration_times for s in want]))
+        np.testing.assert_array_equal(np.concatenate([s.first_call for s in got]),
+                                      np.concatenate([s.first_call for s in want]))
+    assert clock.segments == other.segments
+    assert len(whole.iteration_times) > 0
+
+
+# ---- lost records ---------------------------------------------------------------------
+
+
+def test_lost_records_are_counted_and_their_iterations_marked():
+    rng = np.random.default_rng(9)
+    x = np.exp(rng.normal(0, 0.01, 300))
+    records = _records(x, layout="hybrid", async_fraction=0.2)
+    kept = np.concatenate((records[:4000], records[4700:]))  # the ring overwrote 700
+    tracker = RankTracker()
+    updates = [tracker.feed(kept[lo : lo + 1000], lost=700 if lo == 4000 else 0)
+               for lo in range(0, len(kept), 1000)]
+    assert tracker.lost_records == 700 and tracker.reported_lost == 700
+    assert sum(u.lost for u in updates) == 700
+    (k,) = tracker.gap_iterations
+    # The iteration that spans the gap is measured on calls after it (its first call
+    # that equals the call one period later): no iteration holds the lost time, the
+    # ~16 lost iterations are missing from the numbering.
+    lost_calls = len(ring.call_records(records)) - len(ring.call_records(kept))
+    assert tracker.num_iterations == 299 - lost_calls // 35
+    np.testing.assert_allclose(tracker.iteration_times, 1.0, rtol=0.05)
+    assert 0 < k < tracker.num_iterations and not tracker.fail_slow
+
+
+# ---- durations and arrivals -------------------------------------------------------------
+
+
+def _record(seq, op, t0, t1, comm=0xA, size=8, flags=0, req=0):
+    r = np.zeros(1, dtype=ring.RECORD_DTYPE)
+    r["seq"], r["op"], r["t_start_ns"], r["t_end_ns"] = seq, ring.OP[op], t0, t1
+    r["comm_id"], r["size_bytes"], r["flags"], r["req_id"] = comm, size, flags, req
+    return r
+
+
+def test_comm_times_exact_on_tiny_records():
+    # Period 2 (AllReduce on comm A, blocking; Send on comm B, async + its WAIT), 20
+    # iterations of 1 s, and a DONE record with the device time of one AllReduce.
+    recs, seq = [], 1
+    for k in range(20):
+        base = 1_000_000_000 * (k + 1)
+        recs.append(_record(seq, "AllReduce", base, base + 100_000, comm=0xA, size=64))
+        seq += 1
+        recs.append(_record(seq, "Send", base + 500_000, base + 501_000, comm=0xB, size=32,
+                            flags=ring.F_ASYNC, req=k + 1))
+        seq += 1
+        recs.append(_record(seq, "Wait", base + 800_000, base + 900_000, req=k + 1))
+        seq += 1
+    recs.append(_record(seq, "Done", 5_000_000_000, 5_000_040_000, flags=ring.F_DEVICE_TIMED,
+                        req=int(recs[12]["seq"][0])))  # iteration 4's AllReduce
+    records = np.concatenate(recs)
+    tracker = RankTracker()
+    tracker.feed(records)
+    tracker.finish()
+    assert tracker.period == 2
+    np.testing.assert_allclose(tracker.iteration_times, 1.0)
+    times = tracker.comm_times(0, 3)
+    assert times.dtype == COMM_TIME_DTYPE
+    a = times[times["comm_id"] == 0xA]
+    b = times[times["comm_id"] == 0xB]
+    np.testing.assert_array_equal(a["iteration"], [0, 1, 2, 3])
+    np.testing.assert_allclose(a["seconds"], 100e-6)
+    np.testing.assert_allclose(b["seconds"], 400e-6)  # enqueue to the WAIT's return
+    assert np.all(a["calls"] == 1) and np.all(a["pending"] == 0)
+    assert np.all(a["size_bytes"] == 64)
+    device = tracker.comm_times(4, 4)
+    assert device[device["comm_id"] == 0xA]["seconds"][0] == pytest.approx(40e-6)
+    arrivals = tracker.arrivals(0, 1)
+    np.testing.assert_array_equal(arrivals["comm_ordinal"], [0, 0, 1, 1])
+    np.testing.assert_array_equal(arrivals["position"], [0, 1, 0, 1])
+    assert arrivals["t_start_ns"][2] == 2_000_000_000
+
+
+def test_history_is_bounded():
+    x = np.full(400, 0.1)
+    records = _records(x, layout="hybrid", async_fraction=0.0)
+    from greyhound.analytics.tracker import TrackerConfig
+
+    tracker = RankTracker(config=TrackerConfig(history_calls=1000))
+    for lo in range(0, len(records), 333):
+        tracker.feed(records[lo : lo + 333])
+    arrivals = tracker.arrivals()
+    assert len(arrivals) == 1000
+    np.testing.assert_array_equal(arrivals["call_number"],
+                                  np.arange(len(records) - 999, len(records) + 1))
+
+
+def test_bad_input_is_refused():
+    tracker = RankTracker()
+    with pytest.raises(ValueError, match="ring record fields"):
+        tracker.feed(np.zeros(3))
+    with pytest.raises(ValueError, match="lost must be >= 0"):
+        tracker.feed(np.zeros(0, dtype=ring.RECORD_DTYPE), lost=-1)
+    tracker.finish()
+    with pytest.raises(ValueError, match="finished"):
+        tracker.feed(np.zeros(0, dtype=ring.RECORD_DTYPE))
+    with pytest.raises(ValueError, match="window"):
+        ClockConfig(window=8)
+
+
+def test_healthy_fail_slow_and_numbers_on_a_labelled_sample():
+    # A few held-out jobs through the tracker (the benchmark runs them all).
+    rng = np.random.default_rng(11)
+    jobs = labelled_set(split="heldout", jobs_per_generator=2, min_iterations=300,
+                        max_iterations=500)
+    for job in jobs:
+        tracker = RankTracker()
+        records = _records(job.x, seed=int(rng.integers(1 << 30)),
+                           layout=str(rng.choice(["ddp", "hybrid"])), pause=job.truth.pause)
+        _feed_in_batches(tracker, records, rng, max_batches=10)
+        assert tracker.fail_slow == job.truth.positive, job.seed
+        for fs in job.truth.fail_slows:
+            assert any(fs.onset - 3 <= cp.index < fs.end and cp.detected_at < fs.end
+                       for cp in tracker.changepoints if cp.ratio > 1), (job.seed, fs)
+
+
+def test_fail_slow_in_a_generated_hybrid_trace():
+    fs = FailSlow(onset=80, end=140, factor=1.6, ramp=0)
+    trace, truth = call_trace(seed=2, num_iterations=200, fail_slows=(fs,))
+    tracker = RankTracker()
+    tracker.feed(ring_records(trace))
+    (interval,) = tracker.slow_intervals()
+    assert abs(interval.start_index - 80) <= 1 and abs(interval.end_index - 140) <= 1
+    assert tracker.current_slow_interval is None
+    tracker2 = RankTracker()
+    tracker2.feed(ring_records(trace)[: 51 * 110 + 120])
+    assert tracker2.current_slow_interval is not None
+    assert tracker2.current_slow_interval.start_index == interval.start_index
