@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 _TRACE_COLUMNS = ("time", "op", "comm", "bytes")
 _SERIES_COLUMN = "iteration_time"
 _WHAT = "a call trace needs columns time,op,comm,bytes; a series needs iteration_time"
+_TEXT_COLUMNS = ("op", "comm", "bytes")
+"""Read as text: op and comm become category codes, bytes is parsed exactly."""
+MAX_BYTES = (1 << 64) - 1
+"""The largest byte count: the hook records bytes as an unsigned 64-bit integer."""
+_BYTES_ALLOWED = f"a whole number from 0 to {MAX_BYTES} (2^64 - 1)"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,16 +55,26 @@ def read_detect_input(path: str) -> DetectInput:
     if not data.strip():
         raise InputError(f"{path}: empty file; {_WHAT}")
     try:
+        # The header as pyarrow reads it (names may carry spaces), so that the text
+        # columns get their type whatever spaces surround their names.
+        with pacsv.open_csv(io.BytesIO(data)) as reader:
+            raw_names = reader.schema.names
+        names = [name.strip() for name in raw_names]
+        _check_unique(path, names)
         table = pacsv.read_csv(
             io.BytesIO(data),
             convert_options=pacsv.ConvertOptions(
-                column_types={"op": pa.string(), "comm": pa.string()},
+                column_types={
+                    raw: pa.string() for raw, name in zip(raw_names, names) if name in _TEXT_COLUMNS
+                },
                 strings_can_be_null=True,
             ),
         )
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise InputError(f"{path}: not a readable CSV: {str(exc).splitlines()[0]}") from None
-    table = table.rename_columns([name.strip() for name in table.column_names])
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        raise InputError(f"{path}: not a readable CSV: {_first_line(exc)}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not a readable CSV: the header is not UTF-8 text") from None
+    table = table.rename_columns(names)
     names = set(table.column_names)
     if _SERIES_COLUMN in names:
         if table.num_rows == 0:
@@ -84,16 +99,10 @@ def read_detect_input(path: str) -> DetectInput:
         raise InputError(f"{path}: header but no rows; {_WHAT}")
     t = _numeric(path, table, "time")
     _check_sorted(path, t)
-    nbytes = _numeric(path, table, "bytes")
-    bad = np.flatnonzero((nbytes < 0) | (nbytes != np.floor(nbytes)))
-    if len(bad):
-        raise InputError(
-            f"{path}: line {bad[0] + 2}: bytes must be a whole number >= 0, "
-            f"got {float(nbytes[bad[0]])!r}"
-        )
+    nbytes = _byte_counts(path, table)
     op = _codes(path, table, "op")
     comm = _codes(path, table, "comm")
-    calls = iteration_times_from_calls(op, comm, nbytes.astype(np.int64), t)
+    calls = iteration_times_from_calls(op, comm, nbytes, t)
     if calls.period is None:
         raise InputError(
             f"{path}: no periodic call pattern in {len(t)} calls (no lag with ACF >= 0.95); "
@@ -106,6 +115,11 @@ def read_detect_input(path: str) -> DetectInput:
         )
     if not np.all(calls.iteration_times > 0):
         raise InputError(f"{path}: calls one period apart share a start time; need increasing times")
+    if not np.all(np.isfinite(calls.iteration_times)):
+        raise InputError(
+            f"{path}: calls one period apart are further apart than a float holds; "
+            f"times must span less than {np.finfo(np.float64).max:.3g} s"
+        )
     return DetectInput(
         iteration_times=calls.iteration_times, period=calls.period, num_calls=len(t)
     )
@@ -125,6 +139,72 @@ def _read_bytes(path: str) -> bytes:
         raise InputError(f"{path}: cannot read: {exc.strerror}") from None
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _check_unique(path: str, names: list[str]) -> None:
+    """InputError for a column name that appears twice (spaces around names ignored)."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise InputError(
+                f"{path}: column {name!r} appears {names.count(name)} times in the header; "
+                f"each column at most once ({_WHAT})"
+            )
+        seen.add(name)
+
+
+def _byte_counts(path: str, table) -> np.ndarray:
+    """The ``bytes`` column as exact uint64 values, or InputError naming the first bad line.
+
+    Read as text, so a count is never rounded through a float or wrapped: a whole
+    number from 0 to 2^64 - 1 (decimal, also as ``8.0`` or ``1e3``, or hex ``0x..``).
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    col = table.column("bytes")
+    if pa.types.is_string(col.type) and not col.null_count:
+        try:
+            return pc.cast(col, pa.uint64()).to_numpy(zero_copy_only=False)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            pass  # some cell is not a plain integer: parse cell by cell below
+    out = np.empty(table.num_rows, dtype=np.uint64)
+    for row, cell in enumerate(col.to_pylist()):
+        value = _whole_bytes(cell)
+        if value is None:
+            shown = "empty" if cell is None or str(cell).strip() == "" else repr(cell)
+            raise InputError(f"{path}: line {row + 2}: bytes must be {_BYTES_ALLOWED}, got {shown}")
+        out[row] = value
+    return out
+
+
+def _whole_bytes(cell) -> int | None:
+    """An exact byte count from a CSV cell, or None when it is not one."""
+    from decimal import Decimal, InvalidOperation
+
+    if cell is None or isinstance(cell, bool):
+        return None
+    text = str(cell).strip()
+    try:
+        if text[:2].lower() == "0x":
+            value = int(text, 16)
+        else:
+            number = Decimal(text)
+            # adjusted(): the power of ten of the leading digit; 2^64 - 1 has 20 digits,
+            # so larger numbers are refused before an exact int of them is built.
+            if not number.is_finite() or number.adjusted() > 20:
+                return None
+            if number != number.to_integral_value():
+                return None
+            value = int(number)
+    except (ValueError, InvalidOperation, OverflowError):
+        return None
+    return value if 0 <= value <= MAX_BYTES else None
+
+
 def _numeric(path: str, table, column: str) -> np.ndarray:
     """A column as finite float64, or InputError naming the first bad line."""
     import pyarrow as pa
@@ -141,7 +221,7 @@ def _numeric(path: str, table, column: str) -> np.ndarray:
         return values
     for row, cell in enumerate(col.to_pylist()):
         try:
-            if cell is None or not math.isfinite(float(cell)):
+            if cell is None or isinstance(cell, bool) or not math.isfinite(float(cell)):
                 raise ValueError
         except (TypeError, ValueError):
             shown = "empty" if cell is None else repr(cell)
