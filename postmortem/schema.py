@@ -106,6 +106,8 @@ SEQLEN_COLUMNS: dict[str, np.dtype] = {
     "lengths": np.dtype(np.int32),
 }
 _CHUNK_ROWS = 1 << 16
+MAX_DEGREE = int(np.iinfo(np.int16).max) + 1
+"""The largest DP or PP degree: ranks are stored as int16."""
 
 
 def optype_code(name: str) -> int:
@@ -153,8 +155,11 @@ class TraceMeta:
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "num_microbatches", "num_chunks"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"TraceMeta.{name} must be an integer >= 1, got {value!r}")
+        for name in ("dp", "pp"):  # ranks are int16 columns
+            if getattr(self, name) > MAX_DEGREE:
+                raise ValueError(f"TraceMeta.{name} must be at most {MAX_DEGREE}, got {getattr(self, name)!r}")
         if self.microbatches_per_dp is not None:
             counts = tuple(int(c) for c in self.microbatches_per_dp)
             object.__setattr__(self, "microbatches_per_dp", counts)
@@ -186,7 +191,14 @@ class TraceMeta:
 
     @classmethod
     def from_json(cls, text: str) -> "TraceMeta":
+        """TraceMeta from its JSON; ValueError or TypeError when malformed."""
         raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError(f"job metadata must be a JSON object, got {type(raw).__name__}")
+        if not isinstance(raw.get("extra", {}) or {}, dict):
+            raise ValueError("job metadata 'extra' must be a JSON object")
+        if raw.get("microbatches_per_dp") is not None and not isinstance(raw["microbatches_per_dp"], list):
+            raise ValueError("job metadata 'microbatches_per_dp' must be a list of integers")
         known = set(cls.__dataclass_fields__)
         unknown = set(raw) - known
         extra = dict(raw.pop("extra", {}) or {})
@@ -253,7 +265,7 @@ def normalise_ops(ops: dict[str, np.ndarray], *, where: str) -> dict[str, np.nda
             raise InputError(f"{where}: op column {name!r} must be numeric, got dtype {col.dtype}")
         if dtype.kind == "i" and col.dtype.kind not in "iu":
             raise InputError(f"{where}: op column {name!r} must be integer, got dtype {col.dtype}")
-        out[name] = col.astype(dtype, copy=False)
+        out[name] = _cast_checked(col, dtype, where=where, what=f"op column {name!r}")
     return out
 
 
@@ -328,7 +340,7 @@ def _normalise_workers(workers: dict[str, np.ndarray], *, where: str) -> dict[st
         elif col.dtype.kind not in "iu":
             raise InputError(f"{where}: worker column {name!r} must be integer, got dtype {col.dtype}")
         else:
-            out[name] = col.astype(dtype)
+            out[name] = _cast_checked(col, dtype, where=where, what=f"worker column {name!r}")
     return out
 
 
@@ -342,7 +354,12 @@ def _normalise_seqlens(seqlens: dict[str, np.ndarray], *, where: str) -> dict[st
     missing = [c for c in SEQLEN_COLUMNS if c not in s]
     if missing:
         raise InputError(f"{where}: missing seqlens column(s) {', '.join(missing)}")
-    out = {k: np.asarray(s[k]).astype(dt) for k, dt in SEQLEN_COLUMNS.items()}
+    out = {}
+    for k, dt in SEQLEN_COLUMNS.items():
+        col = np.asarray(s[k])
+        if col.ndim != 1 or col.dtype.kind not in "iu":
+            raise InputError(f"{where}: seqlens column {k!r} must be 1-D integers, got {col.dtype} {col.shape}")
+        out[k] = _cast_checked(col, dt, where=where, what=f"seqlens column {k!r}")
     n = out["step"].shape[0]
     if out["dp_rank"].shape[0] != n or out["microbatch"].shape[0] != n:
         raise InputError(f"{where}: seqlens step/dp_rank/microbatch lengths differ")
@@ -352,64 +369,174 @@ def _normalise_seqlens(seqlens: dict[str, np.ndarray], *, where: str) -> dict[st
     return out
 
 
-def read_trace(path: str | os.PathLike) -> Trace:
+READ_TIMEOUT_S = 60.0
+"""Time the HDF5 reader gets for a trace, plus :data:`READ_SECONDS_PER_BYTE` per byte of
+the file; past it the file is refused (libhdf5 loops forever on some corrupt files)."""
+READ_SECONDS_PER_BYTE = 1 / 20e6
+_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError, IndexError)
+"""What h5py raises for a damaged file, depending on the structure that is damaged."""
+_DEFLATE_MAX_RATIO = 1100
+"""Deflate expands at most 1032:1; a dataset claiming more rows than its stored bytes
+can hold is damaged (HDF5 would silently fill the missing chunks with zeros)."""
+
+
+def read_trace(path: str | os.PathLike, *, isolate: bool = True) -> Trace:
     """Read a greyhound HDF5 trace.
 
     Structure problems (not HDF5, missing dataset, wrong dtype, unknown op type, newer
-    schema) raise InputError naming the file.  Row-level damage (NaN or negative times)
-    is not fatal here: the analysis drops the affected steps and says so.
-    """
-    import h5py
+    schema, values outside a column's type) raise InputError naming the file.  Row-level
+    damage (NaN or negative times) is not fatal here: the analysis drops the affected
+    steps and says so.
 
+    Args:
+        isolate: parse the file in a forked child process (default where ``os.fork``
+            exists).  libhdf5 can crash or loop forever on a corrupt file; in a child
+            that becomes an InputError instead of a dead or hung greyhound.
+    """
     where = str(path)
     try:
-        f = h5py.File(path, "r")
+        size = os.stat(path).st_size
     except FileNotFoundError:
         raise InputError(f"{where}: no such file") from None
     except OSError as exc:
-        raise InputError(f"{where}: not a readable HDF5 file (truncated or corrupt?): {exc}") from None
+        raise InputError(f"{where}: cannot read: {exc.strerror}") from None
+    if not isolate or not hasattr(os, "fork"):
+        return _read_trace_here(where)
+    import h5py  # noqa: F401  imported here, once, not in every child
+
+    from postmortem._isolate import run_isolated
+
+    timeout = READ_TIMEOUT_S + size * READ_SECONDS_PER_BYTE
+    return run_isolated(_read_trace_here, where, timeout=timeout, what=f"{where}: the HDF5 library")
+
+
+def _read_trace_here(where: str) -> Trace:
+    """:func:`read_trace` in this process."""
+    import h5py
+
+    try:
+        f = h5py.File(where, "r")
+    except FileNotFoundError:
+        raise InputError(f"{where}: no such file") from None
+    except _H5_ERRORS as exc:
+        raise InputError(f"{where}: not a readable HDF5 file (truncated or corrupt?): {_one_line(exc)}") from None
     try:
         with f:
-            if f.attrs.get("format") != FORMAT_NAME:
-                raise InputError(f"{where}: not a greyhound trace (format attribute missing)")
-            version = int(f.attrs.get("schema_version", -1))
-            if version != SCHEMA_VERSION:
-                raise InputError(
-                    f"{where}: trace schema version {version}, this greyhound reads {SCHEMA_VERSION}"
-                )
-            try:
-                meta = TraceMeta.from_json(f.attrs["meta"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise InputError(f"{where}: bad job metadata: {exc}") from None
-            file_optypes = json.loads(f.attrs.get("optypes", "[]"))
+            meta, file_optypes = _read_attrs(f, where=where)
             ops = _read_group(f, "ops", OP_COLUMNS, where=where)
             # remap the file's codes to this build's codes
             table = np.array([optype_code(n) for n in file_optypes], dtype=np.int8)
             codes = ops["optype"]
             if codes.size and (codes.min() < 0 or codes.max() >= table.size):
-                raise InputError(f"{where}: op-type code out of range of the file's optypes table")
+                raise InputError(
+                    f"{where}: op-type code out of range of the file's optypes table (0..{table.size - 1})"
+                )
             ops["optype"] = table[codes]
             workers = _read_group(f, "workers", WORKER_COLUMNS, where=where)
             seqlens = _read_group(f, "seqlens", SEQLEN_COLUMNS, where=where) if "seqlens" in f else None
-    except OSError as exc:
-        raise InputError(f"{where}: HDF5 read failed (truncated or corrupt?): {exc}") from None
+    except _H5_ERRORS as exc:
+        raise InputError(f"{where}: HDF5 read failed (truncated or corrupt?): {_one_line(exc)}") from None
     ops = normalise_ops(ops, where=where)
+    _check_same_length(workers, where=where, what="worker")
+    if seqlens is not None:
+        seqlens = _normalise_seqlens(seqlens, where=where)
     return Trace(meta=meta, ops=ops, workers=workers, seqlens=seqlens, path=where)
 
 
+def _one_line(exc: BaseException) -> str:
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    lines = text.strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _read_attrs(f, *, where: str) -> tuple[TraceMeta, list[str]]:
+    """The file's job metadata and its op-type table, checked."""
+    if _attr_text(f, "format") != FORMAT_NAME:
+        raise InputError(f"{where}: not a greyhound trace (format attribute missing or not {FORMAT_NAME!r})")
+    version = f.attrs.get("schema_version", -1)
+    if not isinstance(version, (int, np.integer)) or int(version) != SCHEMA_VERSION:
+        raise InputError(f"{where}: trace schema version {version!r}, this greyhound reads {SCHEMA_VERSION}")
+    try:
+        meta = TraceMeta.from_json(_attr_text(f, "meta"))
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:
+        raise InputError(f"{where}: bad job metadata: {_one_line(exc)}") from None
+    try:
+        file_optypes = json.loads(_attr_text(f, "optypes") or "[]")
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InputError(f"{where}: bad optypes attribute (a JSON list of op-type names): {_one_line(exc)}") from None
+    if not isinstance(file_optypes, list) or not all(isinstance(n, str) for n in file_optypes):
+        raise InputError(f"{where}: bad optypes attribute: must be a JSON list of op-type names")
+    if len(file_optypes) > np.iinfo(np.int8).max + 1:
+        raise InputError(f"{where}: optypes attribute lists {len(file_optypes)} names; at most 128")
+    return meta, file_optypes
+
+
+def _attr_text(f, name: str) -> str | None:
+    """A string attribute, or None when absent or not a string."""
+    value = f.attrs.get(name)
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return None
+    return value if isinstance(value, str) else None
+
+
+def _check_same_length(cols: dict[str, np.ndarray], *, where: str, what: str) -> None:
+    lengths = {name: col.shape for name, col in cols.items()}
+    if len(set(lengths.values())) > 1:
+        shown = ", ".join(f"{name} {shape}" for name, shape in lengths.items())
+        raise InputError(f"{where}: {what} columns differ in length: {shown}")
+
+
 def _read_group(f, name: str, columns: dict, *, where: str) -> dict[str, np.ndarray]:
-    if name not in f:
+    import h5py
+
+    if name not in f or not isinstance(f[name], h5py.Group):
         raise InputError(f"{where}: missing group /{name}")
     group = f[name]
+    size = os.path.getsize(where)
     out = {}
     for key, dtype in columns.items():
-        if key not in group:
+        if key not in group or not isinstance(group[key], h5py.Dataset):
             raise InputError(f"{where}: missing dataset /{name}/{key}")
-        data = group[key][()]
+        dset = group[key]
+        if dset.ndim != 1:
+            raise InputError(f"{where}: /{name}/{key} has shape {dset.shape}, expected one dimension")
+        claimed = dset.shape[0] * dset.dtype.itemsize
+        stored = dset.id.get_storage_size()
+        if claimed > _DEFLATE_MAX_RATIO * max(stored, 1) + 4096 or stored > size:
+            raise InputError(
+                f"{where}: /{name}/{key} claims {dset.shape[0]} rows but the file stores "
+                f"{stored} bytes of it (truncated or corrupt?)"
+            )
+        data = dset[()]
         if dtype is None:
-            out[key] = np.asarray([v.decode() if isinstance(v, bytes) else str(v) for v in data])
+            if data.dtype.kind not in "OSU":
+                raise InputError(f"{where}: /{name}/{key} has dtype {data.dtype}, expected strings")
+            try:
+                out[key] = np.asarray([v.decode() if isinstance(v, bytes) else str(v) for v in data])
+            except UnicodeDecodeError:
+                raise InputError(f"{where}: /{name}/{key} holds text that is not UTF-8") from None
             continue
-        if data.dtype.kind != dtype.kind and not (dtype.kind == "f" and data.dtype.kind in "iu"):
+        if data.dtype.kind != dtype.kind and not (dtype.kind == "f" and data.dtype.kind in "iu") \
+                and not (dtype.kind == "i" and data.dtype.kind == "u"):
             raise InputError(f"{where}: /{name}/{key} has dtype {data.dtype}, expected {dtype}")
-        out[key] = data.astype(dtype, copy=False)
+        out[key] = _cast_checked(data, dtype, where=where, what=f"/{name}/{key}")
     return out
+
+
+def _cast_checked(col: np.ndarray, dtype: np.dtype, *, where: str, what: str) -> np.ndarray:
+    """``col`` as ``dtype``; InputError instead of a silent wrap for an integer that
+    does not fit (e.g. an int64 rank of 70000 into int16)."""
+    if dtype.kind in "iu" and col.dtype.kind in "iu" and col.size:
+        info = np.iinfo(dtype)
+        lo, hi = col.min(), col.max()
+        if int(lo) < info.min or int(hi) > info.max:
+            bad = int(lo) if int(lo) < info.min else int(hi)
+            raise InputError(
+                f"{where}: {what} holds {bad}, outside its type {dtype} ({info.min}..{info.max})"
+            )
+    if dtype.kind in "iu" and col.dtype.kind == "f":
+        raise InputError(f"{where}: {what} must be integer, got dtype {col.dtype}")
+    return col.astype(dtype, copy=False)
