@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from greyhound.errors import InputError
 from postmortem.attribution import Attribution, attribute
 from postmortem.causes import Cause, find_causes
 from postmortem.model import STEP_START, Model, build_model
@@ -66,11 +68,28 @@ class Result:
         }
 
 
+MAX_TIME_S = 1e12
+"""Largest |start| and duration (seconds, ~31,700 years) a row may have; beyond it a row
+is damaged like a NaN one (sums of such times overflow to inf and the slowdown to NaN)."""
+
+
 def analyze(trace: Trace, *, estimator: str = "robust", load_seconds: float = 0.0) -> Result:
-    """Build the model, attribute the slowdown, find causes."""
+    """Build the model, attribute the slowdown, find causes.
+
+    Raises:
+        InputError: the trace has no usable op row, declares far more DP replicas or
+            stages than it has ops for, has no consistent structure (see
+            :func:`postmortem.model.build_model`), or its idealised step takes no time.
+    """
     t0 = time.perf_counter()
+    trace = check_usable(trace)
     model = build_model(trace)
     attr = attribute(model, estimator=estimator)
+    if not (attr.t_ideal > 0 and math.isfinite(attr.slowdown)):
+        raise InputError(
+            f"{trace.path or 'trace'}: the idealised step takes {attr.t_ideal!r} s, so there is no "
+            "slowdown to compute; the trace needs ops of positive duration"
+        )
     causes = find_causes(trace, model, attr)
     return Result(
         trace=trace,
@@ -80,6 +99,78 @@ def analyze(trace: Trace, *, estimator: str = "robust", load_seconds: float = 0.
         load_seconds=load_seconds,
         analysis_seconds=time.perf_counter() - t0,
     )
+
+
+def check_usable(trace: Trace) -> Trace:
+    """The trace, checked, with rows the model cannot use marked as damaged.
+
+    The model drops rows with NaN, infinite or negative times or ranks out of range (and
+    their steps).  Rows with times beyond :data:`MAX_TIME_S`, and the rows of steps that
+    take no time at all (every op of duration 0 at one instant), are damaged too: they
+    get a NaN start here and a note in ``Trace.dropped``.
+
+    Raises:
+        InputError: no usable row is left; or the meta declares more than twice the DP
+            replicas (stages) that have ops: every declared replica and stage costs the
+            model memory and a what-if scenario, so that is a damaged meta, not a job
+            with a few rank files missing.
+    """
+    where = trace.path or "trace"
+    D, P = trace.meta.dp, trace.meta.pp
+    ops = trace.ops
+    n = trace.num_ops
+    if n == 0:
+        raise InputError(f"{where}: the trace has no ops")
+    dp, pp, start, dur = ops["dp_rank"], ops["pp_rank"], ops["start"], ops["duration"]
+    with np.errstate(invalid="ignore"):
+        ranks_ok = (dp >= 0) & (dp < D) & (pp >= 0) & (pp < P)
+        finite = np.isfinite(start) & np.isfinite(dur) & (dur >= 0)
+        far = finite & ((np.abs(start) > MAX_TIME_S) | (dur > MAX_TIME_S))
+    good = ranks_ok & finite & ~far
+    notes = []
+    if far.any():
+        notes.append(f"{int(far.sum())} op rows with times beyond {MAX_TIME_S:.0e} s treated as damaged")
+    if good.any():
+        # steps that take no time: their ops all start together and last 0 s
+        step = ops["step"][good].astype(np.int64)
+        lo, hi = int(step.min()), int(step.max())
+        if hi - lo <= 4 * step.size + 1024:  # step numbers span a small range: no sort
+            values = np.arange(lo, hi + 1)
+            slot = step - lo
+        else:
+            values, slot = np.unique(step, return_inverse=True)
+        size = values.size
+        first = np.full(size, np.inf)
+        last = np.full(size, -np.inf)
+        seen = np.zeros(size, bool)
+        seen[slot] = True
+        np.minimum.at(first, slot, start[good])
+        np.maximum.at(last, slot, start[good] + dur[good])
+        empty = values[seen & ~(last > first)]
+        if empty.size:
+            zero = good & np.isin(ops["step"], empty)
+            notes.append(f"{empty.size} step(s) that take no time (all ops of 0 s at one instant) "
+                         f"treated as damaged: steps {', '.join(map(str, empty[:10].tolist()))}"
+                         + (" ..." if empty.size > 10 else ""))
+            good &= ~zero
+            far |= zero
+    if not good.any():
+        raise InputError(
+            f"{where}: no usable op row: all {n} rows have NaN, infinite, negative or zero-length times, "
+            f"times beyond {MAX_TIME_S:.0e} s, or ranks outside dp_rank < {D}, pp_rank < {P}; "
+            "need finite start and duration >= 0 seconds and steps that take time"
+        )
+    for name, declared, ranks in (("DP replicas", D, dp[good]), ("pipeline stages", P, pp[good])):
+        present = int(np.count_nonzero(np.bincount(ranks.astype(np.int64), minlength=declared)))
+        if declared > 2 * present:
+            raise InputError(
+                f"{where}: the job metadata declares {declared} {name} but ops cover only {present}; "
+                "at most half of them may be missing from a trace"
+            )
+    if not far.any():
+        return trace
+    marked = np.where(far, np.nan, start)
+    return replace(trace, ops={**ops, "start": marked}, dropped=(*trace.dropped, *notes))
 
 
 def _top_worker(result: Result) -> dict:

@@ -237,6 +237,12 @@ def build_model(trace: Trace) -> Model:
     steps = steps_all[keep_steps]
     real_step_time = step_end[keep_steps]
     n_t = tkeys.size
+    empty = np.setdiff1d(np.arange(P), t_pp)
+    if empty.size:
+        raise InputError(
+            f"{where}: pipeline stage(s) {_fmt_list(empty)} have no op that recurs in most steps; "
+            f"every stage of the job's pp={P} needs its ops in the trace"
+        )
 
     # step-start ops: one per stage, its work the worker's first start in the step
     offset = np.stack([np.where(expected[t_pp == p][:, :, None], S[t_pp == p], np.inf).min(axis=0)
