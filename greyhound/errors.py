@@ -16,3 +16,7 @@ class InputError(GreyhoundError):
 
 class SlurmError(GreyhoundError):
     """A Slurm command failed or answered something unexpected."""
+
+
+class OutputError(GreyhoundError):
+    """A file or directory greyhound was asked to write cannot be written."""

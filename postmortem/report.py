@@ -9,12 +9,15 @@ import html
 import json
 import logging
 import os
+import shutil
+import secrets
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from greyhound.atomic_file import atomic_file, write_atomic
+from greyhound.errors import OutputError
 from postmortem.analysis import Result, summary_line
 from postmortem.idealize import __doc__ as IDEAL_DOC
 from postmortem.model import optype_label
@@ -24,22 +27,54 @@ log = logging.getLogger(__name__)
 MAX_TRACE_EVENTS = 200_000
 
 
+REPORT_FILES = ("postmortem.json", "heatmap.png", "step_slowdown.png", "timeline.trace.json", "report.html")
+"""What :func:`write_report` writes into its directory."""
+
+
 def write_report(result: Result, out_dir: str | os.PathLike) -> Path:
-    """Write the report into ``out_dir`` (created); returns the HTML path."""
+    """Write the report into ``out_dir`` (created); returns the HTML path.
+
+    All or nothing: every file is first written into a fresh directory beside
+    ``out_dir`` and moved into place only when all of them are complete, so a failure
+    (a full disk, a plot that cannot be drawn) leaves ``out_dir`` as it was.
+
+    Raises:
+        OutputError: ``out_dir`` or its parent cannot be created or written.
+    """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    data = result.to_json()
-    _atomic_write(out / "postmortem.json", json.dumps(data, indent=2))
-    _heatmap_png(result, out / "heatmap.png")
-    _steps_png(result, out / "step_slowdown.png")
-    _atomic_write(out / "timeline.trace.json", json.dumps(chrome_trace(result)))
-    page = out / "report.html"
-    _atomic_write(page, _html(result, data, summary_line(result, str(page))))
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: cannot write the report: exists and is not a directory")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise OutputError(f"{out}: cannot write the report: a parent is not a directory") from None
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot write the report: {exc.strerror or exc}") from None
+    try:
+        stage = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        stage.mkdir()  # mode 0777 less the umask, as out_dir itself would get
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot write the report: {exc.strerror or exc}") from None
+    try:
+        page = out / "report.html"
+        data = result.to_json()
+        (stage / "postmortem.json").write_text(json.dumps(data, indent=2))
+        _heatmap_png(result, stage / "heatmap.png")
+        _steps_png(result, stage / "step_slowdown.png")
+        (stage / "timeline.trace.json").write_text(json.dumps(chrome_trace(result)))
+        (stage / "report.html").write_text(_html(result, data, summary_line(result, str(page))))
+        if not out.exists():
+            os.rename(stage, out)  # the whole directory at once
+            stage = None
+        else:
+            for name in REPORT_FILES:  # each file atomically, after all were written
+                os.replace(stage / name, out / name)
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot write the report: {exc.strerror or exc}") from None
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
     return page
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    write_atomic(path, text, mode=0o644)
 
 
 def _heatmap_png(result: Result, path: Path) -> None:
