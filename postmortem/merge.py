@@ -24,7 +24,7 @@ import numpy as np
 
 from greyhound.errors import InputError
 from greyhound.timeline import FORMAT_NAME, FORMAT_VERSION
-from postmortem.schema import OP_COLUMNS, TraceMeta, optype_code, write_trace
+from postmortem.schema import MAX_DEGREE, OP_COLUMNS, TraceMeta, optype_code, write_trace
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,13 @@ def read_rank_file(path: str | os.PathLike) -> RankTimeline:
     """
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # bytes that are not UTF-8 (a torn write) garble their line, not the whole file
+        lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
     except OSError as exc:
         raise InputError(f"{path}: cannot read timeline file: {exc.strerror}") from None
     try:
         header = json.loads(lines[0]) if lines else None
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # ValueError: also an integer of > 4300 digits
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
         raise InputError(f"{path}: not a greyhound timeline file (bad or missing header line)")
@@ -68,19 +69,75 @@ def read_rank_file(path: str | os.PathLike) -> RankTimeline:
     for key in ("rank", "dp_rank", "pp_rank", "node", "device", "job"):
         if key not in header:
             raise InputError(f"{path}: timeline header lacks {key!r}")
+    _check_header(path, header)
     out = RankTimeline(path=path, header=header)
     for line in lines[1:]:
         if not line.strip():  # a resumed rank starts its lines on a fresh line
             continue
         try:
             record = json.loads(line)
-            step = int(record["step"])
-            record["ops"], record["seqlens"], int(record["num_microbatches"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (ValueError, RecursionError):
+            record = None
+        if not _is_step_record(record):
             out.torn_lines += 1
             continue
-        out.steps[step] = record
+        out.steps[record["step"]] = record
     return out
+
+
+_I16, _I32 = np.iinfo(np.int16), np.iinfo(np.int32)
+
+
+def _is_int(value, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def _is_number(value) -> bool:
+    """A JSON number that is a float64 (NaN and inf are, and are dropped as damaged rows later)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, float) or (isinstance(value, int) and abs(value) < 1 << 63)
+
+
+def _check_header(path: Path, header: dict) -> None:
+    """InputError for a header field of the wrong type or outside greyhound's columns."""
+    for key, lo, hi in (("rank", 0, _I32.max), ("dp_rank", 0, _I16.max), ("pp_rank", 0, _I16.max)):
+        if not _is_int(header[key], lo, hi):
+            raise InputError(f"{path}: timeline header {key!r} must be an integer from {lo} to {hi}, got {header[key]!r}")
+    job = header["job"]
+    if not isinstance(job, dict):
+        raise InputError(f"{path}: timeline header 'job' must be an object, got {job!r}")
+    for key in ("dp", "pp"):
+        if not _is_int(job.get(key), 1, MAX_DEGREE):
+            raise InputError(f"{path}: timeline header job {key!r} must be an integer from 1 to {MAX_DEGREE}, got {job.get(key)!r}")
+    if "tp" in job and not _is_int(job["tp"], 1, _I32.max):
+        raise InputError(f"{path}: timeline header job 'tp' must be an integer >= 1, got {job['tp']!r}")
+    split = job.get("microbatches_per_dp")
+    if split is not None and not (isinstance(split, list) and all(_is_int(c, 0, _I32.max) for c in split)):
+        raise InputError(f"{path}: timeline header job 'microbatches_per_dp' must be a list of integers, got {split!r}")
+    if not isinstance(job.get("extra", {}) or {}, dict):
+        raise InputError(f"{path}: timeline header job 'extra' must be an object")
+
+
+def _is_step_record(record) -> bool:
+    """A step line as greyhound.timeline writes it, with values that fit the trace's
+    columns; anything else is garbled (and skipped like a torn line)."""
+    if not isinstance(record, dict):
+        return False
+    ops, seqlens = record.get("ops"), record.get("seqlens")
+    if not (_is_int(record.get("step"), _I32.min, _I32.max) and _is_int(record.get("num_microbatches"), 0, _I32.max)
+            and isinstance(ops, list) and isinstance(seqlens, list)):
+        return False
+    for op in ops:
+        if not (isinstance(op, list) and len(op) == 5 and isinstance(op[0], str)
+                and _is_int(op[1], _I32.min, _I32.max) and _is_int(op[2], _I16.min, _I16.max)
+                and _is_number(op[3]) and _is_number(op[4])):
+            return False
+    for entry in seqlens:
+        if not (isinstance(entry, list) and len(entry) == 2 and _is_int(entry[0], _I32.min, _I32.max)
+                and isinstance(entry[1], list) and all(_is_int(x, 0, _I32.max) for x in entry[1])):
+            return False
+    return True
 
 
 def _job_meta(headers: list[dict], *, split_by_step: dict[int, tuple[int, ...]], job_id: str | None,
@@ -96,8 +153,13 @@ def _job_meta(headers: list[dict], *, split_by_step: dict[int, tuple[int, ...]],
         first = split_by_step[min(split_by_step)]
         if len(set(split_by_step.values())) > 1:
             extra["microbatches_per_dp_by_step"] = {str(s): list(v) for s, v in sorted(split_by_step.items())}
-    else:
+    elif job.get("microbatches_per_dp") is not None:
         first = tuple(job["microbatches_per_dp"])
+    else:
+        raise InputError(
+            f"{where}: no step has every DP replica's micro-batch count and the header gives no "
+            "microbatches_per_dp"
+        )
     if dropped:
         extra["dropped_steps"] = dropped
     even = len(set(first)) == 1
