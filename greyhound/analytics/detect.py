@@ -1,9 +1,15 @@
 """The tracking pipeline in one call: iteration times in, change points and slow
 intervals out, as ``greyhound detect`` and the node agent run it.
 
-Method "bocd+v" runs the compiled BOCD+V kernel (:class:`~greyhound.analytics.verify.BocdV`);
-a node agent that polls keeps one ``BocdV`` per rank and feeds it each poll's new
-iterations instead of calling this on the whole series."""
+Method "bocd+v" runs the compiled BOCD+V kernel (:class:`~greyhound.analytics.verify.BocdV`):
+a change point is reported only for a sustained new regime (the new level held for 4
+iterations, it is new, and the old level rested on at least 4; see
+:mod:`~greyhound.analytics.verify`), and slow intervals take their healthy reference
+from a level the job held, never from its first iteration(s) (see
+:func:`~greyhound.analytics.intervals.slow_intervals`). The node agent keeps one
+:class:`~greyhound.analytics.tracker.RankTracker` per rank, which feeds a ``BocdV``
+each poll's new iterations and reports what this function reports on the whole
+series."""
 
 from __future__ import annotations
 

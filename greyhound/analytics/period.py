@@ -20,14 +20,25 @@ Where this departs from the paper, and why:
   1.0. An evaluation step every 50 iterations does not stretch the period: 50
   iterations plus the eval calls are no multiple of the iteration.
 - Warm-up calls (parameter broadcasts, barriers) are not periodic: the ACF is computed
-  over the trailing ``window`` calls (then over shorter tails while no lag qualifies,
-  so that a short trace's warm-up falls out too) and iteration times start at the
-  first call from which a whole period repeats exactly.
+  over the trailing calls (then over shorter tails while no lag qualifies, so that a
+  short trace's warm-up falls out too) and iteration times start at the first call
+  from which 4 whole periods repeat exactly.
 - If no lag qualifies with bytes in the symbol (variable sequence lengths change the
   bytes of every call), it is retried on (op, communicator) alone.
+- Online, the period is searched at fixed call counts and locked only once it is
+  confirmed on 16 periods of calls (a motif inside the iteration repeats like a
+  period until the pattern moves on); iteration k of a lock starts at a fixed call;
+  the lock ends only on evidence (8 iterations whose calls no longer repeat), and the
+  iterations measured under it meanwhile are withdrawn. See :class:`IterationClock`.
+- An iteration's time is the time from one of its calls to the same call of the next
+  iteration (not the median over all its calls, which spreads a slow iteration half
+  into its neighbour): its first call, or, for a data-parallel job whose calls come
+  late in the iteration, its last call (:meth:`IterationClock._measure_backward`).
 
-The node agent calls :func:`iteration_times_from_calls` on the fields of the hook's
-ring records (see its docstring); ``greyhound detect`` on the columns of a CSV trace.
+The node agent's tracker (:class:`greyhound.analytics.tracker.RankTracker`) feeds an
+:class:`IterationClock` the hook's ring records poll after poll; ``greyhound detect``
+calls :func:`iteration_times_from_calls` on the columns of a CSV trace, which is the
+same clock fed all calls at once: the two see the same iterations.
 """
 
 from __future__ import annotations
