@@ -30,6 +30,7 @@ def publish(client, *, slow_ranks=(), slow_since=40, late_rank=None):
         store.publish_rank(client, r, new_times=[0.3 if slow else 0.2], fields={
             "node": NODES[r // 2], "iterations": 60, "current_s": 0.3 if slow else 0.2, "baseline_s": 0.2,
             "slowdown": 1.5 if slow else 1.0, "slow_since": slow_since if slow else None,
+            "compute_share": 0.9 if r == late_rank else (0.5 if r == (late_rank or 0) - 4 else 0.8),
         })
         peer = r + 4 if r < 4 else r - 4
         seconds = 0.01 if r == late_rank else (0.11 if peer == late_rank else 0.01)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from greyhound.control.profile import find_suspects
 
 NODES = {0: "n1", 1: "n1", 2: "n2", 3: "n2", 4: "n3", 5: "n3", 6: "n4", 7: "n4"}
-IT = {r: 1.0 for r in NODES}
+SHARE = {r: 0.80 for r in NODES}
 
 
 def _ar(seconds, nbytes=4e6):
@@ -22,19 +22,20 @@ def dp_groups(times):
 
 
 def test_healthy_groups_give_no_suspect():
-    assert find_suspects(dp_groups({}), rank_nodes=NODES, iteration_s=IT) == []
+    assert find_suspects(dp_groups({}), rank_nodes=NODES, compute_share=SHARE) == []
 
 
 def test_the_rank_that_computes_longer_than_its_peer_is_the_compute_suspect():
-    # Rank 5 computes 0.4 s longer; its DP peer (rank 1) waits that long in the allreduce.
-    suspects = find_suspects(dp_groups({1: 0.50, 5: 0.10}), rank_nodes=NODES, iteration_s=IT)
+    # Rank 5 computes 90% of the time; its DP peer (rank 1) only 50%: it waits for 5.
+    share = {**SHARE, 1: 0.50, 5: 0.90}
+    suspects = find_suspects(dp_groups({1: 0.50, 5: 0.10}), rank_nodes=NODES, compute_share=share)
     assert [(s.kind, s.ranks, s.nodes) for s in suspects] == [("compute", (5,), ("n3",))]
     assert abs(suspects[0].score - 0.40) < 1e-9
 
 
 def test_a_group_slower_than_its_cluster_is_a_link_suspect():
     # dp2 (ranks 2 and 6) takes 0.3 s on both members: its transfer is slow, nobody waits.
-    suspects = find_suspects(dp_groups({2: 0.30, 6: 0.30}), rank_nodes=NODES, iteration_s=IT)
+    suspects = find_suspects(dp_groups({2: 0.30, 6: 0.30}), rank_nodes=NODES, compute_share=SHARE)
     assert [(s.kind, s.comm, s.nodes) for s in suspects] == [("link", "dp2", ("n2", "n4"))]
     assert abs(suspects[0].score - 3.0) < 1e-9     # 0.30 s against the median 0.10 s
 
@@ -43,9 +44,8 @@ def test_groups_moving_other_bytes_are_not_compared():
     stats = dp_groups({})
     for r in NODES:     # every rank also has a p2p link of its own size and speed
         stats[r][f"pp{r}"] = {"bytes_per_iter": 1e3 * (r + 1), "seconds_per_iter": 0.05 * (r + 1), "op": "Send"}
-    it = {r: 1.0 + 0.05 * (r + 1) for r in NODES}
-    assert find_suspects(stats, rank_nodes=NODES, iteration_s=it) == []
+    assert find_suspects(stats, rank_nodes=NODES, compute_share=SHARE) == []
 
 
 def test_a_small_wait_is_jitter_not_a_straggler():
-    assert find_suspects(dp_groups({1: 0.13, 5: 0.10}), rank_nodes=NODES, iteration_s=IT) == []
+    assert find_suspects(dp_groups({}), rank_nodes=NODES, compute_share={**SHARE, 5: 0.83}) == []

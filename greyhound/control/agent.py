@@ -21,6 +21,7 @@ pause, which it carries out for the ranks of its node (:meth:`NodeAgent.pause`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -32,7 +33,7 @@ import numpy as np
 from greyhound.analytics.tracker import RankTracker
 from greyhound.control import store
 from greyhound.control.validate import RankClock
-from greyhound.ring import OP_NAMES, RingError, RingReader, ring_paths
+from greyhound.ring import CALL_OPS, OP, OP_NAMES, RingError, RingReader, ring_paths
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,32 @@ class _Process:
     reader: RingReader
     tracker: RankTracker
     published_iterations: int = 0
+    republish: bool = False
+    """The published iteration times were withdrawn: send the list anew."""
+    busy: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=BUSY_POLLS))
+    """(wall seconds, seconds inside calls) of the recent polls."""
+    last_poll: float | None = None
+
+    def compute_share(self) -> float | None:
+        """Fraction of the recent wall time the process spent outside communication calls."""
+        wall = sum(w for w, _ in self.busy)
+        if wall <= 0:
+            return None
+        return max(0.0, 1.0 - sum(b for _, b in self.busy) / wall)
+
+
+BUSY_POLLS = 10
+"""Polls the compute share covers (5 s at the default poll)."""
+_BLOCKING = np.array(sorted(CALL_OPS | {OP["Wait"]}), dtype=np.uint16)
+
+
+def blocked_seconds(records: np.ndarray) -> float:
+    """Seconds the process spent inside communication calls and waits among records
+    (an async call's record is its enqueue; its wait is timed by its Wait record)."""
+    inside = records[np.isin(records["op"], _BLOCKING)]
+    if not len(inside):
+        return 0.0
+    return float((inside["t_end_ns"].astype(np.int64) - inside["t_start_ns"].astype(np.int64)).clip(min=0).sum()) / 1e9
 
 
 class NodeAgent:
@@ -89,9 +116,16 @@ class NodeAgent:
     def poll(self) -> None:
         """Reads every ring and feeds its tracker."""
         self.discover()
+        now = time.monotonic()
         for proc in self.processes.values():
             batch = proc.reader.read()
-            proc.tracker.feed(batch.records, lost=batch.lost)
+            if proc.last_poll is not None:
+                proc.busy.append((now - proc.last_poll, blocked_seconds(batch.records)))
+            proc.last_poll = now
+            update = proc.tracker.feed(batch.records, lost=batch.lost)
+            if update.withdrawn_from is not None:     # a re-lock renumbered these iterations
+                proc.published_iterations = min(proc.published_iterations, update.withdrawn_from)
+                proc.republish = True
 
     def comm_stats(self, proc: _Process) -> dict[str, dict]:
         """Per communicator over the last iterations: bytes, seconds and calls per
@@ -159,12 +193,16 @@ class NodeAgent:
             rank = info.rank if info.rank >= 0 else info.pid
             ranks.append(rank)
             n = tracker.num_iterations
+            if proc.republish:
+                client.delete(store.iters_key(rank))
+                proc.published_iterations, proc.republish = 0, False
             new = [float(t) for t in tracker.iteration_times[max(proc.published_iterations, n - store.ITERATIONS_KEPT):]]
             proc.published_iterations = n
             window = tracker.iteration_times[-self.config.comm_window_iterations:]
             store.publish_rank(client, rank, new_times=new, fields={
                 "node": self.node, "pid": info.pid, **self.summary(tracker),
                 "window_s": float(window.mean()) if len(window) else None,
+                "compute_share": proc.compute_share(),
                 "counters": proc.reader.counters(),
             })
             stats = self.comm_stats(proc)

@@ -121,8 +121,8 @@ class Master:
     def _profile(self, ep: _Episode, ranks: dict) -> None:
         stats = store.read_comm_stats(self.client, ranks)
         suspects = find_suspects(stats, rank_nodes={r: s.get("node", "?") for r, s in ranks.items()},
-                                 iteration_s={r: float(s.get("window_s") or s.get("current_s") or 0)
-                                              for r, s in ranks.items()})
+                                 compute_share={r: float(s["compute_share"]) for r, s in ranks.items()
+                                                if s.get("compute_share") not in (None, "")})
         ep.polls += 1
         for s in suspects:
             key = (s.kind, s.ranks if s.kind == "compute" else s.nodes)

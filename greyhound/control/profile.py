@@ -9,14 +9,14 @@ Two signals, both read from calls the job makes anyway (nothing is paused):
   is the transfer itself; the others' include waiting. A communicator more than
   ``LINK_TOLERANCE`` above its cluster's median transfer time is suspect, and so are
   the nodes its members run on.
-- **Compute straggler.** A rank's compute time is its iteration time less the time it
-  spends inside communication calls. Ranks that share a collective (a DP group: one
-  pipeline stage in each replica) do the same work, so a member whose compute time is
-  more than ``COMPUTE_TOLERANCE`` above its peers', by at least ``WAIT_FRACTION`` of
-  an iteration, is the compute suspect; the peers spend that time waiting inside
-  calls instead. (Arrival order alone would name the whole slow pipeline replica: in
-  1F1B every stage of the replica behind a slow stage arrives late at its DP
-  all-reduce.)
+- **Compute straggler.** A rank's compute share is the fraction of wall time it spends
+  outside communication calls (the agent measures it from the rings: calls and waits
+  are timed, the rest is the rank's own work). Ranks that share a collective (a DP
+  group: one pipeline stage in each replica) do the same work, so a member whose share
+  is more than ``COMPUTE_TOLERANCE`` above its peers', by at least ``WAIT_FRACTION``,
+  is the compute suspect: it works while its peers wait inside calls. (Arrival order
+  alone would name the whole slow pipeline replica: in 1F1B every stage of the
+  replica behind a slow stage arrives late at its DP all-reduce.)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 LINK_TOLERANCE = 0.10
 """A group more than 10% above its cluster's median transfer time is suspect (the paper's rule)."""
 WAIT_FRACTION = 0.05
-"""How much of an iteration a rank's extra compute must take to make it suspect."""
+"""How much more of its time a rank must compute than its peers to be suspect."""
 COMPUTE_TOLERANCE = 0.10
 """A rank computing more than 10% longer than its peers is suspect."""
 SAME_BYTES_RTOL = 0.01
@@ -64,39 +64,36 @@ def _members(comm_stats: dict[int, dict[str, dict]]) -> dict[str, dict[int, dict
 
 
 def find_suspects(comm_stats: dict[int, dict[str, dict]], *, rank_nodes: dict[int, str],
-                  iteration_s: dict[int, float]) -> list[Suspect]:
+                  compute_share: dict[int, float]) -> list[Suspect]:
     """Suspects, most suspicious first.
 
     Args:
         comm_stats: rank -> comm id -> ``{"bytes_per_iter", "seconds_per_iter", "op"}``
             (as the agents publish them).
         rank_nodes: rank -> node name.
-        iteration_s: rank -> its current iteration time (s).
+        compute_share: rank -> fraction of its recent wall time spent outside calls.
     """
     members = _members(comm_stats)
     suspects: list[Suspect] = []
-    compute = {r: iteration_s[r] - sum(float(c["seconds_per_iter"]) for c in comms.values())
-               for r, comms in comm_stats.items() if r in iteration_s}
     peer_groups = [sorted(ranks) for ranks in members.values()
                    if len(ranks) >= 2 and next(iter(ranks.values())).get("op") in COLLECTIVE_OPS]
     if not peer_groups:             # no collective to compare within: every rank with every other
-        peer_groups = [sorted(compute)]
+        peer_groups = [sorted(compute_share)]
     excess: dict[int, float] = {}
     for group in peer_groups:
         for r in group:
-            others = [compute[p] for p in group if p != r and p in compute]
-            if r not in compute or not others:
+            others = [compute_share[p] for p in group if p != r and p in compute_share]
+            if r not in compute_share or not others:
                 continue
             base = float(np.median(others))
-            extra = compute[r] - base
-            it = iteration_s.get(r) or 1.0
-            if compute[r] > (1 + COMPUTE_TOLERANCE) * base and extra > WAIT_FRACTION * it:
-                excess[r] = max(excess.get(r, 0.0), extra / it)
-    for rank, share in excess.items():
+            extra = compute_share[r] - base
+            if compute_share[r] > (1 + COMPUTE_TOLERANCE) * base and extra > WAIT_FRACTION:
+                excess[r] = max(excess.get(r, 0.0), extra)
+    for rank, extra in excess.items():
         suspects.append(Suspect(kind="compute", ranks=(rank,), nodes=(rank_nodes.get(rank, "?"),), comm=None,
-                                score=share,
-                                why=f"computes {share:.0%} of an iteration longer than the ranks it shares "
-                                    "a collective with"))
+                                score=extra,
+                                why=f"computes {compute_share[rank]:.0%} of the time, {extra:.0%} more than "
+                                    "the ranks it shares a collective with (they wait in calls)"))
     # Link: a communicator slower than others moving the same bytes with the same op.
     groups = []
     for comm, ranks in members.items():
