@@ -36,21 +36,29 @@ def job_status(job_id: str, *, rundir: Path | None = None) -> dict:
     run_dir = (rundir or read_plugstack().rundir) / job_id
     if not run_dir.is_dir():
         raise GreyhoundError(_no_run_dir_reason(job_id, run_dir))
+    if not os.access(run_dir, os.R_OK | os.X_OK):
+        raise GreyhoundError(f"job {job_id}: only the job's user and root may see its status")
     out: dict = {"job_id": job_id, "run_dir": str(run_dir), "control_plane": "none",
                  "events": read_events(run_dir)[-EVENTS_SHOWN:]}
     try:
         address = read_address(run_dir)
-    except RedisError as exc:
-        if "only the job's user" in str(exc):
-            raise GreyhoundError(f"job {job_id}: only the job's user and root may see its status") from None
-        out["control_plane"] = "none"
+    except RedisError:
         out["why"] = "no control plane has started for this job (yet)"
+        if any(e["kind"] == "control_plane_failed" for e in out["events"]):
+            out["control_plane"] = "failed"
+            out["why"] = "the control plane could not start (see the events)"
         return out
     try:
         state = store.read_job(address.client(timeout_s=2.0))
-    except Exception as exc:  # the server is gone: the master died or the job ended
-        out["control_plane"] = "failed"
-        out["why"] = f"the job's Redis does not answer ({type(exc).__name__}); greyhound no longer watches this job"
+    except Exception as exc:  # the server is gone: the job ended, or the master died
+        kinds = [e["kind"] for e in out["events"]]
+        if "control_plane_stopped" in kinds:
+            out["control_plane"] = "stopped"
+            out["why"] = f"the job has ended; its post-mortem: greyhound report {job_id}"
+        else:
+            out["control_plane"] = "failed"
+            out["why"] = (f"the job's Redis does not answer ({type(exc).__name__}); greyhound no longer "
+                          "watches this job")
         return out
     plane = state["plane"]
     heartbeat = float(plane.get("heartbeat") or 0)
