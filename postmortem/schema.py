@@ -297,7 +297,7 @@ def write_trace(
     where = str(path)
     cols = normalise_ops(ops, where=where)
     wcols = _normalise_workers(workers, where=where)
-    scols = _normalise_seqlens(seqlens, where=where) if seqlens is not None else None
+    scols = _normalise_seqlens(seqlens, where=where, dp=meta.dp) if seqlens is not None else None
     # h5py opens by name: /proc/self/fd/N names the temporary file itself.
     with atomic_file(path, mode=0o644) as out, h5py.File(f"/proc/self/fd/{out.fileno()}", "w") as f:
         f.attrs["format"] = FORMAT_NAME
@@ -344,7 +344,9 @@ def _normalise_workers(workers: dict[str, np.ndarray], *, where: str) -> dict[st
     return out
 
 
-def _normalise_seqlens(seqlens: dict[str, np.ndarray], *, where: str) -> dict[str, np.ndarray]:
+def _normalise_seqlens(seqlens: dict[str, np.ndarray], *, where: str, dp: int) -> dict[str, np.ndarray]:
+    """Check and cast the seqlens columns; samples of 0 tokens are left out, and so are
+    rows left without samples or with a DP rank outside 0..dp-1 (nothing to correlate)."""
     s = dict(seqlens)
     lengths = np.asarray(s.get("lengths"))
     if "offsets" not in s and lengths.ndim == 2:  # fixed max, 0-padded
@@ -366,7 +368,19 @@ def _normalise_seqlens(seqlens: dict[str, np.ndarray], *, where: str) -> dict[st
     off = out["offsets"]
     if off.shape[0] != n + 1 or off[0] != 0 or np.any(np.diff(off) < 0) or off[-1] != out["lengths"].shape[0]:
         raise InputError(f"{where}: seqlens offsets must be non-decreasing, start at 0, end at len(lengths)")
-    return out
+    lengths = out["lengths"]
+    if lengths.size and lengths.min() < 0:
+        raise InputError(f"{where}: seqlens lengths must be >= 0 tokens, got {int(lengths.min())}")
+    row = np.repeat(np.arange(n), np.diff(off))
+    sample = lengths > 0
+    counts = np.bincount(row[sample], minlength=n)
+    keep = (counts > 0) & (out["dp_rank"] >= 0) & (out["dp_rank"] < dp)
+    if keep.all() and sample.all():
+        return out
+    kept = {k: out[k][keep] for k in ("step", "dp_rank", "microbatch")}
+    kept["offsets"] = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
+    kept["lengths"] = lengths[sample & keep[row]]
+    return kept
 
 
 READ_TIMEOUT_S = 60.0
@@ -439,7 +453,7 @@ def _read_trace_here(where: str) -> Trace:
     ops = normalise_ops(ops, where=where)
     _check_same_length(workers, where=where, what="worker")
     if seqlens is not None:
-        seqlens = _normalise_seqlens(seqlens, where=where)
+        seqlens = _normalise_seqlens(seqlens, where=where, dp=meta.dp)
     return Trace(meta=meta, ops=ops, workers=workers, seqlens=seqlens, path=where)
 
 

@@ -172,6 +172,30 @@ def test_hdf5_bad_job_metadata_is_one_line(tmp_path, meta, message):
     assert_one_line_error(cli("postmortem", path), "bad job metadata", message)
 
 
+def test_hdf5_seqlens_row_without_samples_is_left_out(tmp_path):
+    """A last seqlens row without samples (offsets [..., k, k]) made the sequence-length
+    cause's np.add.reduceat index past the end (IndexError); a row of a DP rank the job
+    does not have indexed the per-replica sums out of range. Both rows are left out."""
+    from postmortem.generate import SyntheticJob, generate
+
+    trace, _ = generate(SyntheticJob(dp=2, pp=2, num_microbatches=4, num_steps=4, seqlen_max=64,
+                                     samples_per_microbatch=2))
+    path = _generated(tmp_path)
+    s = trace.seqlens
+    offsets = s["offsets"].copy()
+    offsets[-1] = offsets[-2]
+    dp_rank = s["dp_rank"].astype(np.int64)
+    dp_rank[0] = 7
+    with h5py.File(path, "r+") as f:
+        g = f.create_group("seqlens")
+        for name, data in (("step", s["step"]), ("dp_rank", dp_rank.astype(np.int16)), ("microbatch", s["microbatch"]),
+                           ("offsets", offsets), ("lengths", s["lengths"][: offsets[-1]])):
+            g.create_dataset(name, data=data)
+    cp = cli("postmortem", "--json", path)
+    assert cp.returncode == 0, cp.stderr
+    assert json.loads(cp.stdout)["job"]["dp"] == 2
+
+
 # -------------------------------------------------------------- postmortem, parquet
 
 @pytest.mark.parametrize(
