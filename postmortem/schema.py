@@ -386,7 +386,7 @@ def _normalise_seqlens(seqlens: dict[str, np.ndarray], *, where: str, dp: int) -
 READ_TIMEOUT_S = 60.0
 """Time the HDF5 reader gets for a trace, plus :data:`READ_SECONDS_PER_BYTE` per byte of
 the file; past it the file is refused (libhdf5 loops forever on some corrupt files)."""
-READ_SECONDS_PER_BYTE = 1 / 20e6
+READ_SECONDS_PER_BYTE = 1 / 10e6
 _H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError, IndexError)
 """What h5py raises for a damaged file, depending on the structure that is damaged."""
 _DEFLATE_MAX_RATIO = 1100
