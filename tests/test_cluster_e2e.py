@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, SlurmJob, comment_of, sacct_field
-from greyhound.ring import CALL_OPS, OP, RingReader, ring_paths
+from greyhound.ring import CALL_OPS, OP, RingError, RingReader, ring_paths
 
 pytestmark = pytest.mark.cluster
 
@@ -56,7 +56,9 @@ def wait_for_rings(run_dir: Path, n: int, timeout_s: float = 60) -> list[Path]:
 def test_mpi_job_is_recorded_on_every_rank_and_obeys_the_gate(cluster, sbatch, tmp_path):
     prog = tmp_path / "mpi_prog.py"
     prog.write_text(MPI_PROGRAM)
-    script = f"#!/bin/bash\nsrun --mpi=pmix {sys.executable} {prog} {tmp_path} 60\n"
+    # The rings are copied out before the job ends: the plugin's job epilog removes them.
+    script = (f"#!/bin/bash\nsrun --mpi=pmix {sys.executable} {prog} {tmp_path} 60\n"
+              f"mkdir -p {tmp_path}/rings && cp $GREYHOUND_RUN_DIR/ring.* {tmp_path}/rings/\n")
     job = sbatch(script, "--nodes=4", "--ntasks=8", "--ntasks-per-node=2", "--greyhound=mode=detect")
     run_dir = RUN_DIR_BASE / job.job_id
     for _ in range(240):
@@ -67,7 +69,13 @@ def test_mpi_job_is_recorded_on_every_rank_and_obeys_the_gate(cluster, sbatch, t
 
     # Pause rank 5 at its gate: its calls stop, and so does everyone's progress at
     # the next collective; resuming lets the job finish.
-    with RingReader(run_dir / "ring.5") as ring5:
+    ring5 = None
+    while ring5 is None:                 # the hook writes the header last
+        try:
+            ring5 = RingReader(run_dir / "ring.5")
+        except RingError:
+            time.sleep(0.05)
+    with ring5:
         while ring5.counters()["head"] < NUM_ALLREDUCE + 4:
             time.sleep(0.05)
         ring5.pause()
@@ -83,6 +91,7 @@ def test_mpi_job_is_recorded_on_every_rank_and_obeys_the_gate(cluster, sbatch, t
     assert lines == sorted(f"rank {r} of 8 sum 4" for r in range(8))
 
     world_ids, sub_ids = set(), {0: set(), 1: set()}
+    rings = [tmp_path / "rings" / p.name for p in rings]
     for path in rings:
         with RingReader(path, publish=False) as r:
             info, recs, counters = r.info, r.read().records, r.counters()
@@ -109,9 +118,14 @@ def training_job(cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpt")
     out.chmod(0o755)
     env = dict(os.environ, GREYHOUND_REPO=str(REPO), OUT_DIR=str(out))
+    # The reference job's own script, then the rings copied out before the job ends
+    # (the plugin's job epilog removes them).
+    wrapper = out / "job.sh"
+    wrapper.write_text(f"#!/bin/bash\nbash {REPO}/examples/gpt_hybrid.sbatch --steps 8 --trace-every 2 || exit $?\n"
+                       f"mkdir -p {out}/rings && cp $GREYHOUND_RUN_DIR/ring.* {out}/rings/\n")
     proc = subprocess.run(
         ["sbatch", "--parsable", "--greyhound", "--comment=My Run 7", f"--output={out}/job.out",
-         str(REPO / "examples/gpt_hybrid.sbatch"), "--steps", "8", "--trace-every", "2"],
+         "--nodes=4", "--ntasks-per-node=2", "--cpus-per-task=1", str(wrapper)],
         capture_output=True, text=True, env=env, cwd=out, check=True, timeout=60,
     )
     job_id = proc.stdout.strip().split(";")[0]
@@ -129,7 +143,7 @@ def test_training_job_trains_and_is_captured_without_code_changes(training_job):
     assert [m["step"] for m in metrics] == list(range(8))
     assert losses[-1] < losses[0], losses
     # gloo is invisible to the C hook: the sitecustomize capture recorded every rank.
-    rings = [p for p in ring_paths(RUN_DIR_BASE / job_id) if p.name.split(".")[1].isdigit()]
+    rings = [p for p in ring_paths(out / "rings") if p.name.split(".")[1].isdigit()]
     assert sorted(int(p.name.split(".")[1]) for p in rings) == list(range(8))
     for path in rings:
         with RingReader(path, publish=False) as r:
