@@ -26,10 +26,13 @@ Where this departs from the paper, and why:
 - If no lag qualifies with bytes in the symbol (variable sequence lengths change the
   bytes of every call), it is retried on (op, communicator) alone.
 - Online, the period is searched at fixed call counts and locked only once it is
-  confirmed on 16 periods of calls (a motif inside the iteration repeats like a
-  period until the pattern moves on); iteration k of a lock starts at a fixed call;
-  the lock ends only on evidence (8 iterations whose calls no longer repeat), and the
-  iterations measured under it meanwhile are withdrawn. See :class:`IterationClock`.
+  confirmed on max(256 calls, 16 periods) (a motif inside the iteration repeats like
+  a period until the pattern moves on), at a call count fixed by the calls, not by
+  the polls: 16 iterations after the warm-up at 16 or more calls per iteration.
+  A young lock is checked again on more calls (up to 4096): one that turns out a
+  motif is withdrawn. Iteration k of a lock starts at a fixed call; the lock ends
+  only on evidence (8 iterations whose calls no longer repeat), and the iterations
+  measured under it meanwhile are withdrawn. See :class:`IterationClock`.
 - An iteration's time is the time from one of its calls to the same call of the next
   iteration (not the median over all its calls, which spreads a slow iteration half
   into its neighbour): its first call, or, for a data-parallel job whose calls come
@@ -369,15 +372,24 @@ class ClockConfig:
     split of the calls into batches locks at the same call."""
     min_periods: int = 4
     """Whole repeats of the period after its first clean one that a lock needs."""
-    confirm_calls: int = 1024
-    """See ``confirm_periods``."""
+    confirm_calls: int = 256
+    """See ``confirm_periods``: the floor for short periods (a motif of one to a
+    few calls, e.g. a burst of identical TP AllReduces, repeats many times in an
+    iteration). It sets the first lock's delay at fewer than 16 calls per iteration:
+    ``confirm_calls / period`` iterations (64 at 4 calls)."""
     confirm_periods: int = 16
-    """A period found is a candidate; it locks once the calls from its first clean
-    period on number max(``confirm_calls``, ``confirm_periods`` x period) and a
-    period search on those calls alone finds it again. A motif inside the iteration
-    (16 micro-batches of the same Recv, AllReduce, Send; a burst of 128 identical
-    AllReduces) repeats like a period until the pattern moves on; the iterations are
-    held back until then, and those of a dropped candidate are never reported."""
+    """A period found is a candidate; it locks at the call count where the calls from
+    its first clean period on number max(``confirm_calls``, ``confirm_periods`` x
+    period), if a period search on those calls alone finds it again (and at every
+    scheduled search before that). A motif inside the iteration (16 micro-batches of
+    the same Recv, AllReduce, Send; a burst of 128 identical AllReduces) repeats like
+    a period until the pattern moves on; the iterations are held back until then,
+    and those of a dropped candidate are never reported."""
+    verify_calls: int = 4096
+    """A lock is checked again at each scheduled search (see ``first_check``) while
+    its calls number at most this many: a period search on them alone must find its
+    period again, else its iterations are withdrawn and the period found locks
+    instead (see :meth:`IterationClock._verify`). 0: never."""
     min_match: float = 0.9
     """Share of the calls after the first clean period that must equal the call one
     period later for a lock."""
@@ -402,6 +414,8 @@ class ClockConfig:
             raise ValueError(
                 f"window must be >= first_check ({self.first_check}), got {self.window!r}"
             )
+        if self.verify_calls < 0:
+            raise ValueError(f"verify_calls must be >= 0, got {self.verify_calls!r}")
         if self.max_period is not None and self.max_period < 1:
             raise ValueError(f"max_period must be >= 1, got {self.max_period!r}")
         if min(self.min_periods, self.relock_blocks, self.confirm_calls,
@@ -451,6 +465,10 @@ class Segment:
     """Iteration k's time is measured between the last calls of iterations k - 1 and
     k (True), or between the first calls of k and k + 1 (False); see
     :class:`IterationClock`."""
+    locked_at: int = 0
+    """Calls fed when the lock was made (it knew calls [0, locked_at)): the
+    iterations whose calls were in by then were reported at once, the later ones as
+    their calls come. A fixed call count, whatever the batches."""
 
 
 class IterationClock:
@@ -462,13 +480,25 @@ class IterationClock:
     Locking: while no period is locked, the calls are kept (the trailing
     ``window``) and the period is searched (:func:`find_period` on the trailing calls
     and shorter tails, with and without bytes) at fixed call counts (see
-    :attr:`ClockConfig.first_check`). A period locks when two consecutive searches
-    find it (it survived a doubling of the data: a warm-up's or a burst's look-alike
-    does not), the calls after its first clean period hold ``min_periods`` repeats
-    of which ``min_match`` equal the call one period later, and, if it was found
-    without bytes, the calls are not all one (op, comm) (parameter broadcasts of
-    varying size). At the end of a stream (:meth:`finish`) one search on what is
-    there suffices.
+    :attr:`ClockConfig.first_check`). A period found is a candidate if the calls
+    after its first clean period hold ``min_periods`` repeats of which ``min_match``
+    equal the call one period later, and, if it was found without bytes, the calls
+    are not all one (op, comm) (parameter broadcasts of varying size). The candidate
+    locks at a fixed call count, once max(``confirm_calls``, ``confirm_periods`` x
+    period) calls from its first clean period on are in and a period search on them
+    alone finds it again; each scheduled search before that checks it the same way
+    on the calls so far, and drops it if they show another period (a motif inside
+    the iteration: its run ended), so that the search for the real period goes on.
+    The first lock thus comes max(256, 16 p) calls after the first clean period
+    (16 iterations for p >= 16, 64 for a data-parallel job's 4 calls, 256 for 1),
+    or at the first scheduled search that finds the candidate if later (it needs
+    ``min_periods`` + 1 clean periods after the warm-up in the searched calls, and
+    the searches come at 32, 64, 128, ... calls). A young lock (up to
+    ``verify_calls`` calls) is checked again at each scheduled search: if its calls
+    show another period (the lock was a motif, a run of micro-batches longer than
+    the calls that confirmed it), its iterations are withdrawn and that period is
+    the candidate. At the end of a stream (:meth:`finish`) a waiting candidate, or
+    one search on what is there, suffices.
 
     Numbering: once locked at period p with first clean call s, iteration k of the
     lock starts at call s + k p, whatever comes later: an evaluation step that adds
@@ -504,6 +534,9 @@ class IterationClock:
         self._cand: Segment | None = None
         self._withdrew: int | None = None
         self._confirm_from = 0
+        self._confirm_at = 0
+        self._cand_at = 0
+        self._disproved: set[int] = set()
         self._next_start = 0
         self._eval_start = 0
         self._bad_run = 0
@@ -593,25 +626,28 @@ class IterationClock:
         final_done = False
         while True:
             if self._seg is None:
-                if self._check <= self._n:
-                    c = self._check
-                    self._check = self._origin + self._next_offset(c - self._origin)
-                    self._search_and_lock(max(self._origin, c - self.config.window), c,
-                                          final=False)
+                if self._unlocked_step():
                     continue
                 if final and not final_done:
                     final_done = True
                     if self._cand is not None:
                         self._lock(self._cand, self._n)
                     else:
-                        self._search_and_lock(
+                        self._search(
                             max(self._origin, self._n - self.config.window), self._n, final=True
                         )
                     if self._seg is not None:
                         continue
                 break
             self._withdrew = None
-            more = self._emit(times, avail, starts)
+            # A young lock is checked at the scheduled searches: iterations are
+            # reported up to such a call count, then the lock is checked there.
+            verify_at = self._verify_due()
+            more = self._emit(times, avail, starts, self._n if verify_at is None else verify_at)
+            if verify_at is not None and self._seg is not None:
+                self._check = self._origin + self._next_offset(verify_at - self._origin)
+                self._verify(verify_at)
+                more = True
             if self._withdrew is not None:
                 # The lock ended: iterations from self._iters on are withdrawn.
                 w = self._withdrew
@@ -658,19 +694,50 @@ class IterationClock:
             out &= nb[period : period + m] == nb[:m]
         return np.asarray(out, dtype=bool)
 
-    def _search_and_lock(self, lo: int, hi: int, *, final: bool) -> None:
-        """One period search on calls [lo, hi): starts, confirms or drops a candidate."""
+    def _unlocked_step(self) -> bool:
+        """Handle the next due event while unlocked (calls fed so far permitting): the
+        candidate's confirmation at its fixed call count, or a scheduled search. True
+        if one was handled (another may be due), False if none is due.
+
+        Both events sit at call counts that depend only on the calls (a search at
+        :attr:`ClockConfig.first_check` x 1, 2, 4, ... calls since the origin; a
+        candidate's confirmation ``confirm_from + max(confirm_calls, confirm_periods x
+        period)``, or the search that found it if that is later), so any split of the
+        calls into batches gives the same events in the same order."""
+        n, window = self._n, self.config.window
+        cand = self._cand
+        if cand is not None and self._confirm_at <= n and self._confirm_at <= self._check:
+            c = self._confirm_at
+            if self._check == c:
+                self._check = self._origin + self._next_offset(c - self._origin)
+            if self._confirms(cand, c):
+                self._lock(cand, c)
+                return True
+            self._cand = None
+            if c > self._cand_at:
+                # Not the search that made it: search again on the calls up to here.
+                self._search(max(self._origin, c - window), c, final=False)
+            return True
+        if self._check > n:
+            return False
+        c = self._check
+        self._check = self._origin + self._next_offset(c - self._origin)
+        if cand is not None:
+            # A scheduled search while a candidate waits checks it on the calls since
+            # it was found (twice as many as at the last search, or more): a motif
+            # inside the iteration is dropped as soon as the calls show its end, and
+            # does not hold off the search for the real period.
+            if c - self._confirm_from < 2 * cand.period or self._confirms(cand, c):
+                return True
+            self._cand = None
+        self._search(max(self._origin, c - window), c, final=False)
+        return True
+
+    def _search(self, lo: int, hi: int, *, final: bool) -> None:
+        """One period search on calls [lo, hi) (no candidate waiting): makes a
+        candidate, or locks at once with a known period or at the end of the stream."""
         if hi - lo < 2:
             return
-        cand = self._cand
-        if cand is not None:
-            need = max(self.config.confirm_calls, self.config.confirm_periods * cand.period)
-            if not final and hi - self._confirm_from < need:
-                return
-            if self._confirms(cand, hi):
-                self._lock(cand, hi)
-                return
-            self._cand = None
         op, comm, nb, _ = self._cols(lo, hi)
         if self._fixed is not None:
             found: tuple[int, bool] | None = (self._fixed, True)
@@ -689,28 +756,48 @@ class IterationClock:
             if found is not None and not found[1] and _one_symbol(*self._cols(tail, hi)[:2]):
                 # Parameter broadcasts of varying size: no period, only one call kind.
                 found = None
-        if found is None:
+        if found is None or found[0] in self._disproved:
             return
         self.last_period = found[0]
         cand = self._candidate(lo, hi, found)
         if cand is None:
             return
         # Confirmed on calls the period was seen in, not on a warm-up that only
-        # looks periodic without bytes.
-        self._confirm_from = max(cand.start_call, tail if self._fixed is None else lo)
+        # looks periodic without bytes: from the tail that showed it, or from the
+        # first clean period if every call from there to the tail equals the call one
+        # period later (no warm-up call among them).
+        confirm_from = cand.start_call
+        if self._fixed is None and tail > confirm_from and not np.all(
+            self._same(confirm_from, tail, cand.period, cand.tokens_use_bytes)
+        ):
+            confirm_from = tail
         if self._fixed is not None or final:
+            self._confirm_from = confirm_from
             self._lock(cand, hi)
         else:
-            self._cand = cand
+            self._set_candidate(cand, confirm_from, hi)
+
+    def _set_candidate(self, cand: Segment, confirm_from: int, hi: int) -> None:
+        """Wait for ``cand``'s confirmation on calls from ``confirm_from`` on (found
+        by a search on calls up to ``hi``)."""
+        self._cand = cand
+        self._cand_at = hi
+        self._confirm_from = confirm_from
+        need = max(self.config.confirm_calls, self.config.confirm_periods * cand.period)
+        self._confirm_at = max(hi, confirm_from + need)
 
     def _confirms(self, cand: Segment, hi: int) -> bool:
         """Whether the calls from the candidate's first clean period to ``hi`` (the
         trailing ``window`` of them) have its period, by :func:`find_period` on them
-        alone: no warm-up left, and at least max(confirm_calls, confirm_periods x
-        period) of them, so a motif that ends within them is found out."""
+        alone: no warm-up left, and, at the confirmation, at least
+        max(confirm_calls, confirm_periods x period) of them, so a motif that ends
+        within them is found out. One call per iteration (as for the candidate) is the
+        same call every time: a burst of one call kind that ends is a motif."""
         lo = max(self._confirm_from, hi - self.config.window)
         op, comm, nb, _ = self._cols(lo, hi)
         tokens, num_tokens = call_tokens(op, comm, nb if cand.tokens_use_bytes else None)
+        if cand.period == 1:
+            return num_tokens == 1
         p = find_period(
             tokens, num_tokens, threshold=self.config.threshold,
             tolerance=self.config.tolerance, max_period=self.config.max_period,
@@ -795,7 +882,7 @@ class IterationClock:
         return None
 
     def _lock(self, seg: Segment, hi: int) -> None:
-        seg = dataclasses.replace(seg, backward=self._measure_backward(seg, hi))
+        seg = dataclasses.replace(seg, backward=self._measure_backward(seg, hi), locked_at=hi)
         if not self.segments:
             self.first_start = seg.start_call
         self.segments.append(seg)
@@ -806,12 +893,63 @@ class IterationClock:
         self._eval_start = seg.start_call
         self._bad_run = 0
 
-    def _emit(self, times: list, avail: list, starts: list) -> bool:
-        """Report the iterations of the lock whose times are known; True when the lock
-        ended (a search may be due), False when nothing more can be done now."""
+    def _verify_due(self) -> int | None:
+        """The scheduled search's call count if it is due (fed) while the lock is young
+        (its calls up to there number at most ``verify_calls``), else None."""
+        seg = self._seg
+        c = self._check
+        if seg is None or self._fixed is not None or c > self._n:
+            return None
+        return c if c - seg.start_call <= self.config.verify_calls else None
+
+    def _verify(self, c: int) -> None:
+        """Check the lock on its calls up to ``c`` (the trailing ``window``): a period
+        search on them alone must find its period again (and, for one call per
+        iteration, the same call every time). If it finds another, the lock was a
+        motif inside the iteration (a run of micro-batches longer than the calls
+        that confirmed it) or a multiple of the period: its iterations are all
+        withdrawn, the lock is forgotten, and the period found is the candidate
+        (confirmed as any other). A period disproved so is not a candidate again
+        until the next re-lock."""
         seg = self._seg
         assert seg is not None
-        p, n, use_bytes = seg.period, self._n, seg.tokens_use_bytes
+        p, use_bytes = seg.period, seg.tokens_use_bytes
+        lo = max(seg.start_call, c - self.config.window)
+        op, comm, nb, _ = self._cols(lo, c)
+        tokens, num_tokens = call_tokens(op, comm, nb if use_bytes else None)
+        found = find_period(
+            tokens, num_tokens, threshold=self.config.threshold,
+            tolerance=self.config.tolerance, max_period=self.config.max_period,
+        )
+        if p == 1:
+            disproved = num_tokens > 1
+        else:
+            disproved = found is not None and found != p
+        if not disproved:
+            return
+        self._disproved.add(p)
+        self._iters = seg.first_iteration
+        self._withdrew = self._iters
+        self.segments.pop()
+        if not self.segments:
+            self.first_start = 0
+        self._seg = None
+        self._bad_run = 0
+        if found is None or found in self._disproved:
+            return
+        cand = self._candidate(max(self._origin, c - self.config.window), c, (found, use_bytes))
+        if cand is None:
+            return
+        self.last_period = found
+        self._set_candidate(cand, max(cand.start_call, seg.start_call), c)
+
+    def _emit(self, times: list, avail: list, starts: list, n: int) -> bool:
+        """Report the iterations of the lock whose times are known from calls [0, n);
+        True when the lock ended (a search may be due), False when nothing more can be
+        done with those calls."""
+        seg = self._seg
+        assert seg is not None
+        p, use_bytes = seg.period, seg.tokens_use_bytes
         # Re-lock evidence, on whole iterations (their calls and the next iteration's
         # all here), in order.
         trigger = None
@@ -832,7 +970,7 @@ class IterationClock:
                     self._bad_run = 0
             self._eval_start = e0 + done * p
         if seg.backward:
-            self._emit_backward(times, avail, starts, trigger)
+            self._emit_backward(times, avail, starts, trigger, n)
             return self._end_lock(trigger)
         # Iteration times: iteration k needs its first call that equals the call one
         # period later, and that later call.
@@ -874,17 +1012,20 @@ class IterationClock:
         self._seg = None
         self._origin = self._bad_from
         self._check = self._origin + self.config.first_check
+        self._disproved = set()
         self._bad_run = 0
         return True
 
-    def _emit_backward(self, times: list, avail: list, starts: list, trigger: int | None) -> None:
+    def _emit_backward(
+        self, times: list, avail: list, starts: list, trigger: int | None, n: int
+    ) -> None:
         """Iteration k, measured between last calls: its last call that equals the call
         one period earlier, and that earlier call; known when iteration k is complete.
         An iteration with no such call (the first of a lock, after a warm-up) is
         measured forward from its first call instead, once the next one begins."""
         seg = self._seg
         assert seg is not None
-        p, n, s0 = seg.period, self._n, self._next_start
+        p, s0 = seg.period, self._next_start
         rows = (n - s0) // p
         if trigger is not None:
             rows = min(rows, (trigger - s0) // p + 1)
@@ -925,6 +1066,8 @@ class IterationClock:
                        self._eval_start)
             if self._bad_run:
                 keep = min(keep, self._bad_from)
+            if self._check - self._seg.start_call <= self.config.verify_calls:
+                keep = min(keep, self._seg.start_call)  # a check of the lock may come
         else:
             keep = max(self._origin, self._n - self.config.window)
             if self._cand is not None:

@@ -17,7 +17,11 @@ What it does with them:
   (calls per iteration, by the ACF rule), numbers the iterations (once locked,
   iteration k of a lock starts at a fixed call; re-locked only when the pattern
   stops repeating, see the clock) and reports each iteration's time as soon as its
-  calls are in.
+  calls are in. The first lock comes max(256 calls, 16 periods) after the first
+  clean period, at a call count that does not depend on the polls: 16 iterations at
+  16 or more calls per iteration, 64 at 4 (see
+  :class:`~greyhound.analytics.period.ClockConfig`); the iterations before it are
+  reported then, at once.
 - The iteration times go, as they come, to one :class:`~greyhound.analytics.verify.BocdV`
   (the compiled BOCD+V); the slow intervals are
   :func:`~greyhound.analytics.intervals.slow_intervals` of the series and its change
@@ -51,7 +55,7 @@ from greyhound.analytics.bocd import BocdConfig
 from greyhound.analytics.changepoint import ChangePoint
 from greyhound.analytics.detect import Detection
 from greyhound.analytics.intervals import SlowInterval, healthy_level, slow_intervals
-from greyhound.analytics.period import ClockConfig, IterationClock
+from greyhound.analytics.period import ClockConfig, IterationClock, Segment
 from greyhound.analytics.verify import BocdV, VerifyConfig
 from greyhound.ring import CALL_OPS, F_ASYNC, F_DEVICE_TIMED, OP
 
@@ -113,7 +117,8 @@ class TrackerUpdate:
     withdrawn_from: int | None
     """Iterations from this number on that earlier updates reported are withdrawn
     (with the change points detected at or after it): the call pattern had changed
-    under them, and the clock locked again; the numbers are reused."""
+    under them, or more calls showed that a young lock's period was a motif inside
+    the iteration, and the clock locked again; the numbers are reused."""
     iteration_times: np.ndarray
     """(m,) seconds of the iterations completed by this batch."""
     available_at_ns: np.ndarray
@@ -406,6 +411,15 @@ class RankTracker:
     @property
     def locked(self) -> bool:
         return self._clock.locked
+
+    @property
+    def locks(self) -> tuple[Segment, ...]:
+        """The clock's locks, oldest first (the current one last while :attr:`locked`):
+        period, first call and first iteration of each, and ``locked_at``, the calls
+        seen when it was made. A lock whose iterations were all withdrawn (a motif,
+        see :attr:`~greyhound.analytics.period.ClockConfig.verify_calls`) is not
+        listed."""
+        return tuple(self._clock.segments)
 
     @property
     def num_calls(self) -> int:
