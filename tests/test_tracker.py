@@ -2,6 +2,7 @@
 (greyhound.analytics.period.IterationClock)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from greyhound.analytics.scenarios import labelled_set, render_calls, ring_recor
 from greyhound.analytics.synthetic import CallTrace, FailSlow, call_trace
 from greyhound.analytics.tracker import ARRIVAL_DTYPE, COMM_TIME_DTYPE, RankTracker
 from greyhound.cli import main
+from greyhound.detect_cli import read_detect_input
 
 
 def _feed_in_batches(tracker, records, rng, max_batches=60):
@@ -279,6 +281,176 @@ def test_the_clock_does_not_depend_on_the_batches(seed, cuts):
                                       np.concatenate([s.first_call for s in want]))
     assert clock.segments == other.segments
     assert len(whole.iteration_times) > 0
+
+
+# ---- the first lock: the reference job's real records, generated traces -----------------
+
+REAL_RINGS = Path(__file__).parent / "data" / "rings" / "gpt_hybrid_dp2_pp4_ranks0_2.npz"
+
+
+@pytest.fixture(scope="module")
+def real_rings():
+    """Ring records of ranks 0 and 2 of a real run of the reference job (see
+    tests/data/rings/README.md)."""
+    with np.load(REAL_RINGS) as z:
+        return {0: z["rank0"], 2: z["rank2"]}
+
+
+def _polls(n, rng, smallest=20, largest=500):
+    """Bounds of polls of smallest..largest records over n records."""
+    bounds = [0]
+    while bounds[-1] < n:
+        bounds.append(min(n, bounds[-1] + int(rng.integers(smallest, largest + 1))))
+    return bounds
+
+
+def _feed_polls(tracker, records, bounds):
+    """Feed the polls; the updates, and the index of the poll after which the tracker
+    was first locked (None if never)."""
+    updates, first = [], None
+    for lo, hi in zip(bounds, bounds[1:]):
+        updates.append(tracker.feed(records[lo:hi]))
+        if first is None and tracker.locked:
+            first = len(updates) - 1
+    return updates, first
+
+
+@pytest.mark.parametrize("rank, period", [(0, 17), (2, 33)])
+@pytest.mark.parametrize("seed", range(4))
+def test_real_records_lock_16_iterations_after_the_warm_up_in_any_polls(
+    real_rings, rank, period, seed, tmp_path
+):
+    # The issue's case: fed online, the tracker never locked (a candidate waited for
+    # 1024 calls, checked only at 2048, 4096, ... calls) while finish() locked at once.
+    records = real_rings[rank]
+    assert records.dtype == ring.RECORD_DTYPE
+    whole = iteration_times_from_ring_records(ring.call_records(records))
+    assert (whole.period, whole.start, len(whole.iteration_times)) == (period, 1, 66)
+    rng = np.random.default_rng(100 * rank + seed)
+    bounds = _polls(len(records), rng)
+    tracker = RankTracker(rank=rank)
+    updates, k = _feed_polls(tracker, records, bounds)
+    # Locked online, at the call that completes 16 periods after the warm-up (one
+    # Barrier): in the poll that brought that call, whatever the polls.
+    (lock,) = tracker.locks
+    assert (lock.period, lock.start_call, lock.first_iteration) == (period, 1, 0)
+    assert lock.locked_at == 1 + 16 * period
+    calls_before = sum(len(ring.call_records(records[lo:hi]))
+                       for lo, hi in zip(bounds[:k], bounds[1 : k + 1]))
+    assert calls_before < lock.locked_at <= calls_before + updates[k].calls
+    # Nothing before it; then the iterations whose calls were in, at once (the
+    # 16th needs the next one's first call), from iteration 0.
+    assert all(len(u.iteration_times) == 0 for u in updates[:k])
+    assert updates[k].first_iteration == 0 and len(updates[k].iteration_times) >= 15
+    assert all(u.withdrawn_from is None for u in updates)
+    tracker.finish()
+    # The same iterations as finish() on all the records and as greyhound detect.
+    at_end = RankTracker(rank=rank)
+    at_end.feed(records)
+    at_end.finish()
+    assert at_end.locks == tracker.locks
+    np.testing.assert_array_equal(
+        np.concatenate([u.iteration_times for u in updates]), whole.iteration_times
+    )
+    np.testing.assert_array_equal(tracker.iteration_times, whole.iteration_times)
+    np.testing.assert_array_equal(at_end.iteration_times, whole.iteration_times)
+    for name in ("iteration", "position", "call_number"):
+        np.testing.assert_array_equal(tracker.arrivals()[name], at_end.arrivals()[name])
+    # Iteration k starts at call 1 + k p (the hook's call number 2 + k p).
+    assert [tracker.call_number_of_iteration(i) for i in (0, 16, 65)] == [
+        2, 2 + 16 * period, 2 + 65 * period]
+    assert tracker.iteration_of_call_number(2 + 16 * period) == 16
+    path = _csv(records, tmp_path / "calls.csv")
+    source = read_detect_input(str(path))
+    assert source.period == period
+    np.testing.assert_array_equal(source.iteration_times, tracker.iteration_times)
+    out = CliRunner().invoke(main, ["detect", "--json", str(path)])
+    assert out.exit_code == 0, out.output
+    got = json.loads(out.output)
+    assert got["period"] == period and got["iterations"] == tracker.num_iterations == 66
+    assert got["changepoints"] == [cp.as_dict() for cp in tracker.changepoints]
+    assert got["slow_intervals"] == [si.as_dict() for si in tracker.slow_intervals()]
+    assert tracker.detection() == at_end.detection() == detect_series(whole.iteration_times)
+
+
+@pytest.mark.parametrize("rank, period", [(0, 17), (2, 33)])
+def test_real_records_lock_at_one_call_one_record_or_all_at_once(real_rings, rank, period):
+    records = real_rings[rank]
+    for size in (1, len(records)):
+        tracker = RankTracker(rank=rank)
+        _, k = _feed_polls(tracker, records, list(range(0, len(records), size)) + [len(records)])
+        assert tracker.locks[0].locked_at == 1 + 16 * period
+        if size == 1:
+            # Locked by the record of call 1 + 16 p: 15 iterations reported then.
+            assert ring.call_records(records[: k + 1])["seq"][-1] == records["seq"][k]
+            assert len(ring.call_records(records[: k + 1])) == 1 + 16 * period
+        assert tracker.period == period
+
+
+@pytest.mark.parametrize("layout, period, iterations", [("ddp", 4, 64), ("hybrid", 35, 16)])
+def test_time_to_the_first_lock_on_generated_traces(layout, period, iterations):
+    # 1 s iterations. The lock comes max(256, 16 p) calls after the warm-up: for a
+    # data-parallel job's 4 calls (3 gradient buckets and the loss), 64 iterations,
+    # about 64 s; for the hybrid job's 35 calls, 16 iterations, about 16 s. Exactly
+    # there, whatever the warm-up and the polls.
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        x = np.exp(rng.normal(0.0, 0.02, 200))
+        warmup = int(rng.integers(5, 200))
+        trace, starts = render_calls(rng, x, layout=layout, warmup_calls=warmup)
+        records = ring_records(trace, rng=rng)
+        tracker = RankTracker()
+        updates, k = _feed_polls(tracker, records, _polls(len(records), rng, 1, 300))
+        (lock,) = tracker.locks
+        assert (lock.period, lock.start_call) == (period, warmup)
+        assert lock.locked_at - lock.start_call == iterations * period
+        assert k is not None and all(u.withdrawn_from is None for u in updates)
+        # The call that locked it is the last of iteration `iterations - 1`.
+        assert starts[iterations - 1] <= trace.time[lock.locked_at - 1] < starts[iterations]
+
+
+def test_one_call_per_iteration_locks_after_256_calls():
+    # A Barrier, then one AllReduce of one size per iteration (1 s apart): the floor
+    # of 256 calls (a burst of identical calls looks the same until it ends).
+    n = 400
+    op = np.array([ring.OP["Barrier"]] + [ring.OP["AllReduce"]] * n)
+    comm = np.full(n + 1, 7)
+    nbytes = np.array([0] + [1 << 20] * n)
+    t = np.arange(n + 1, dtype=float)
+    clock = IterationClock()
+    steps = [clock.feed(op[lo : lo + 7], comm[lo : lo + 7], nbytes[lo : lo + 7], t[lo : lo + 7])
+             for lo in range(0, n + 1, 7)]
+    (lock,) = clock.segments
+    assert (lock.period, lock.start_call, lock.locked_at) == (1, 1, 257)
+    times, _, first = collect_steps(steps)
+    np.testing.assert_array_equal(times, 1.0)
+    np.testing.assert_array_equal(first, np.arange(1, n))
+
+
+def test_a_lock_on_a_motif_is_withdrawn_once_the_calls_show_the_iteration():
+    # 32 micro-batches of (Recv, Send) forward and backward, then the DP calls: 131
+    # calls, of which the first 128 repeat at lag 2. With no warm-up, 256 calls of
+    # them confirm period 2; the check at 512 calls (3.9 iterations) finds 131, the
+    # iterations of period 2 are withdrawn, and 131 locks after 16 periods.
+    trace, truth = call_trace(seed=5, num_iterations=60, tp=1, pp=2, microbatches=32,
+                              layers=1, warmup_calls=0)
+    assert truth.calls_per_iteration == 131
+    records = ring_records(trace)
+    tracker = RankTracker()
+    periods, withdrawn = [], []
+    for lo in range(0, len(records), 300):
+        update = tracker.feed(records[lo : lo + 300])
+        periods.append(tracker.period)
+        if update.withdrawn_from is not None:
+            withdrawn.append(update.withdrawn_from)
+    assert periods[0] == 2 and periods[-1] == 131 and withdrawn == [0]
+    (lock,) = tracker.locks
+    assert (lock.start_call, lock.first_iteration, lock.locked_at) == (0, 0, 16 * 131)
+    tracker.finish()
+    whole = iteration_times_from_ring_records(ring.call_records(records))
+    assert whole.period == 131
+    np.testing.assert_array_equal(tracker.iteration_times, whole.iteration_times)
+    assert np.median(tracker.iteration_times) == pytest.approx(1.0, rel=0.02)
 
 
 # ---- lost records ---------------------------------------------------------------------
