@@ -524,6 +524,8 @@ def _read_group(f, name: str, columns: dict, *, where: str) -> dict[str, np.ndar
                 f"{where}: /{name}/{key} claims {dset.shape[0]} rows but the file stores "
                 f"{stored} bytes of it (truncated or corrupt?)"
             )
+        if dset.dtype.kind in "iuf":
+            _check_storage(dset, where=where, what=f"/{name}/{key}")
         data = dset[()]
         if dtype is None:
             if data.dtype.kind not in "OSU":
@@ -538,6 +540,47 @@ def _read_group(f, name: str, columns: dict, *, where: str) -> dict[str, np.ndar
             raise InputError(f"{where}: /{name}/{key} has dtype {data.dtype}, expected {dtype}")
         out[key] = _cast_checked(data, dtype, where=where, what=f"/{name}/{key}")
     return out
+
+
+_SIZE_KEEPING_FILTERS = {2: 0, 3: 4}
+"""HDF5 filters that do not compress: shuffle (id 2) keeps a chunk's size, fletcher32
+(id 3) adds a 4-byte checksum."""
+
+
+def _check_storage(dset, *, where: str, what: str) -> None:
+    """InputError unless every chunk of a numeric dataset is stored and its stored size
+    fits its filters.
+
+    libhdf5 hands out what a damaged layout implies without an error: fill values for a
+    chunk that is not stored, and uninitialised memory for a chunk whose filter mask
+    says "not compressed" but whose stored bytes are fewer than the chunk holds (a
+    different array on every read).
+    """
+    rows = dset.shape[0]
+    if dset.chunks is None:  # contiguous or compact: the bytes as they are
+        if dset.id.get_storage_size() != rows * dset.dtype.itemsize:
+            raise InputError(f"{where}: {what} stores {dset.id.get_storage_size()} bytes for {rows} rows (truncated or corrupt?)")
+        return
+    chunk_rows = dset.chunks[0]
+    expected = -(-rows // chunk_rows)
+    num = dset.id.get_num_chunks()
+    if num != expected:
+        raise InputError(f"{where}: {what} stores {num} of its {expected} chunks (truncated or corrupt?)")
+    plist = dset.id.get_create_plist()
+    filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
+    chunk_bytes = chunk_rows * dset.dtype.itemsize
+    for i in range(num):
+        info = dset.id.get_chunk_info(i)
+        applied = [f for bit, f in enumerate(filters) if not info.filter_mask >> bit & 1]
+        if all(f in _SIZE_KEEPING_FILTERS for f in applied):
+            want = chunk_bytes + sum(_SIZE_KEEPING_FILTERS[f] for f in applied)
+            if info.size != want:
+                raise InputError(
+                    f"{where}: {what} chunk {i} stores {info.size} bytes uncompressed, its {chunk_rows} rows "
+                    f"take {want} (truncated or corrupt?)"
+                )
+        elif info.size < 1:
+            raise InputError(f"{where}: {what} chunk {i} stores no bytes (truncated or corrupt?)")
 
 
 def _cast_checked(col: np.ndarray, dtype: np.dtype, *, where: str, what: str) -> np.ndarray:

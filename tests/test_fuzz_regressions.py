@@ -111,6 +111,14 @@ def test_hdf5_contained_fuzz_findings_are_one_line(tmp_path, monkeypatch):
         assert_one_line_error(result, f"{path.name}: ")
 
 
+def test_hdf5_chunk_stored_short_without_filters_is_refused():
+    """Fuzz finding: /ops/step's chunk has a filter mask saying "not compressed" and 1
+    stored byte for 240 rows; libhdf5 returned the rest of the buffer uninitialised, a
+    different step column on every read (the analysis gave a NaN slowdown, or not)."""
+    line = assert_one_line_error(cli("postmortem", "--json", FUZZ / "hdf5-chunk-mask-uninitialised.h5"))
+    assert "/ops/step chunk 0 stores 1 bytes uncompressed, its 240 rows take 960" in line
+
+
 def _generated(tmp_path: Path, **ops_override) -> Path:
     from postmortem.generate import SyntheticJob, generate
     from postmortem.schema import write_trace
