@@ -27,11 +27,13 @@ def publish(client, *, slow_ranks=(), slow_since=40, late_rank=None):
     """Eight ranks (r on node r // 2), DP groups (r, r + 4); late_rank arrives last."""
     for r in range(8):
         slow = r in slow_ranks
-        store.publish_rank(client, r, new_times=[0.3 if slow else 0.2], fields={
+        pipe = client.pipeline(transaction=False)
+        store.publish_rank(pipe, r, new_times=[0.3 if slow else 0.2], fields={
             "node": NODES[r // 2], "iterations": 60, "current_s": 0.3 if slow else 0.2, "baseline_s": 0.2,
             "slowdown": 1.5 if slow else 1.0, "slow_since": slow_since if slow else None,
             "compute_share": 0.9 if r == late_rank else (0.5 if r == (late_rank or 0) - 4 else 0.8),
         })
+        pipe.execute()
         peer = r + 4 if r < 4 else r - 4
         seconds = 0.01 if r == late_rank else (0.11 if peer == late_rank else 0.01)
         client.hset(store.comms_key(r), mapping={f"dp{r % 4}": store.dumps(

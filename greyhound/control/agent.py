@@ -44,10 +44,17 @@ class AgentConfig:
     """Seconds between polls of the rings (at most 1 s keeps detection within seconds)."""
     comm_window_iterations: int = 10
     """Iterations the per-communicator figures cover."""
+    comm_every_polls: int = 4
+    """Polls between updates of the per-communicator figures (profiling reads them)."""
+    summary_every_polls: int = 20
+    """Polls between full recomputations of a rank's slow interval and baseline when
+    no change point came (a change point recomputes them at once)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.poll_s <= 10:
             raise ValueError(f"poll_s={self.poll_s} must be in (0, 10] seconds")
+        if self.comm_every_polls < 1 or self.summary_every_polls < 1:
+            raise ValueError("comm_every_polls and summary_every_polls must be >= 1")
         if self.comm_window_iterations < 1:
             raise ValueError(f"comm_window_iterations={self.comm_window_iterations} must be >= 1")
 
@@ -61,6 +68,8 @@ class _Process:
     published_iterations: int = 0
     republish: bool = False
     """The published iteration times were withdrawn: send the list anew."""
+    summary_cache: tuple | None = None
+    """(change points seen, the slow-interval fields) of the last full summary."""
     busy: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=BUSY_POLLS))
     """(wall seconds, seconds inside calls) of the recent polls."""
     last_poll: float | None = None
@@ -96,6 +105,7 @@ class NodeAgent:
         self.config = config or AgentConfig()
         self.processes: dict[Path, _Process] = {}
         self._foreign: set[Path] = set()
+        self._polls = 0
 
     def discover(self) -> None:
         """Opens the rings of this node that appeared since the last call."""
@@ -151,23 +161,29 @@ class NodeAgent:
             }
         return out
 
-    @staticmethod
-    def summary(tracker: RankTracker) -> dict:
-        """A rank's tracking state as the store keeps it (``rank:{rank}``)."""
+    def summary(self, proc: _Process) -> dict:
+        """A rank's tracking state as the store keeps it (``rank:{rank}``). The slow
+        interval and baseline are worked out again (a pass over the whole series) only
+        when the change points changed or every ``summary_every_polls``."""
+        tracker = proc.tracker
         n = tracker.num_iterations
+        cached = proc.summary_cache
+        if cached is None or cached[0] != len(tracker.changepoints) or \
+                self._polls % self.config.summary_every_polls == 0:
+            detection = tracker.detection()
+            slow = detection.slow_intervals[-1] if detection.slow_intervals and \
+                detection.slow_intervals[-1].end_index is None else None
+            cached = (len(tracker.changepoints), {
+                "baseline_s": None if not n else float(detection.baseline_iteration_time),
+                "slowdown": None if slow is None else round(float(slow.slowdown), 4),
+                "slow_since": None if slow is None else slow.start_index,
+                "changepoints": [c.as_dict() for c in detection.changepoints[-5:]],
+            })
+            proc.summary_cache = cached
         times = tracker.iteration_times
-        current = float(np.median(times[-3:])) if n else None
-        detection = tracker.detection()
-        slow = detection.slow_intervals[-1] if detection.slow_intervals and \
-            detection.slow_intervals[-1].end_index is None else None
-        return {
-            "period": tracker.period, "iterations": n, "current_s": current,
-            "baseline_s": None if not n else float(detection.baseline_iteration_time),
-            "slowdown": None if slow is None else round(float(slow.slowdown), 4),
-            "slow_since": None if slow is None else slow.start_index,
-            "changepoints": [c.as_dict() for c in detection.changepoints[-5:]],
-            "lost": tracker.lost_records,
-        }
+        return {"period": tracker.period, "iterations": n,
+                "current_s": float(np.median(times[-3:])) if n else None,
+                "lost": tracker.lost_records, **cached[1]}
 
     @staticmethod
     def clock(proc: _Process) -> RankClock | None:
@@ -186,32 +202,33 @@ class NodeAgent:
                          iteration_s=float(np.median(tracker.iteration_times[-3:])))
 
     def publish(self, client) -> None:
-        """Each rank's state, new iteration times and comm figures; the agent's heartbeat."""
+        """Each rank's state, new iteration times and (every few polls) comm figures,
+        and the agent's heartbeat: one round trip to Redis."""
+        self._polls += 1
+        with_comms = self._polls % self.config.comm_every_polls == 1 or self.config.comm_every_polls == 1
+        pipe = client.pipeline(transaction=False)
         ranks = []
         for proc in self.processes.values():
             info, tracker = proc.reader.info, proc.tracker
             rank = info.rank if info.rank >= 0 else info.pid
             ranks.append(rank)
             n = tracker.num_iterations
-            if proc.republish:
-                client.delete(store.iters_key(rank))
-                proc.published_iterations, proc.republish = 0, False
-            new = [float(t) for t in tracker.iteration_times[max(proc.published_iterations, n - store.ITERATIONS_KEPT):]]
+            restart, proc.republish = proc.republish, False
+            first = 0 if restart else proc.published_iterations
+            new = [float(t) for t in tracker.iteration_times[max(first, n - store.ITERATIONS_KEPT):]]
             proc.published_iterations = n
             window = tracker.iteration_times[-self.config.comm_window_iterations:]
-            store.publish_rank(client, rank, new_times=new, fields={
-                "node": self.node, "pid": info.pid, **self.summary(tracker),
+            store.publish_rank(pipe, rank, new_times=new, restart=restart, fields={
+                "node": self.node, "pid": info.pid, **self.summary(proc),
                 "window_s": float(window.mean()) if len(window) else None,
                 "compute_share": proc.compute_share(),
                 "counters": proc.reader.counters(),
-            })
-            stats = self.comm_stats(proc)
-            if stats:
-                client.hset(store.comms_key(rank), mapping={c: store.dumps(v) for c, v in stats.items()})
-        client.hset(store.agent_key(self.node), mapping={
+            }, comms=self.comm_stats(proc) if with_comms else None)
+        pipe.hset(store.agent_key(self.node), mapping={
             "heartbeat": time.time(), "ranks": store.dumps(sorted(ranks)),
             "cpu_s": time.process_time(),
         })
+        pipe.execute()
 
     # ---- the pause, carried out on this node's ranks -------------------------------
 

@@ -64,15 +64,20 @@ def set_plane_state(client, state: str, **fields) -> None:
                                 **{k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in fields.items()}})
 
 
-def publish_rank(client, rank: int, *, new_times: list[float], fields: dict) -> None:
-    """One rank's tracking state and its new iteration times, in one round trip."""
-    pipe = client.pipeline(transaction=False)
+def publish_rank(pipe, rank: int, *, new_times: list[float], fields: dict, restart: bool = False,
+                 comms: dict[str, dict] | None = None) -> None:
+    """One rank's tracking state, its new iteration times (``restart``: they replace
+    the list) and its comm figures, queued on ``pipe`` (a pipeline the agent sends
+    once a poll for all its ranks)."""
     pipe.hset(rank_key(rank), mapping={k: json.dumps(v) if isinstance(v, (list, dict)) else ("" if v is None else v)
                                        for k, v in fields.items()})
+    if restart:
+        pipe.delete(iters_key(rank))
     if new_times:
         pipe.rpush(iters_key(rank), *new_times)
         pipe.ltrim(iters_key(rank), -ITERATIONS_KEPT, -1)
-    pipe.execute()
+    if comms:
+        pipe.hset(comms_key(rank), mapping={c: json.dumps(v) for c, v in comms.items()})
 
 
 def _decode(value: str):
