@@ -9,14 +9,14 @@ import html
 import json
 import logging
 import os
-import shutil
 import secrets
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from greyhound.atomic_file import atomic_file, write_atomic
+from greyhound.atomic_file import atomic_file, open_dir, write_atomic
 from greyhound.errors import OutputError
 from postmortem.analysis import Result, summary_line
 from postmortem.idealize import __doc__ as IDEAL_DOC
@@ -34,46 +34,68 @@ REPORT_FILES = ("postmortem.json", "heatmap.png", "step_slowdown.png", "timeline
 def write_report(result: Result, out_dir: str | os.PathLike) -> Path:
     """Write the report into ``out_dir`` (created); returns the HTML path.
 
-    All or nothing: every file is first written into a fresh directory beside
-    ``out_dir`` and moved into place only when all of them are complete, so a failure
-    (a full disk, a plot that cannot be drawn) leaves ``out_dir`` as it was.
+    All or nothing: every file is first written (with :func:`write_atomic`) into a
+    fresh directory of an unpredictable name beside ``out_dir``, and moved into place
+    only when all of them are complete: the whole directory when ``out_dir`` does not
+    exist yet, else file by file.  A failure (a full disk, a plot that cannot be drawn)
+    leaves ``out_dir`` as it was.  The moves are made relative to descriptors of the
+    directories, opened without following a symlink at their last component, so
+    neither directory can be swapped for another between the writes and the moves.
 
     Raises:
-        OutputError: ``out_dir`` or its parent cannot be created or written.
+        OutputError: ``out_dir`` or its parent cannot be created or written (or
+            ``out_dir`` is a symlink).
     """
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: cannot write the report: exists and is not a directory")
+
+    def fail(exc: OSError) -> OutputError:
+        return OutputError(f"{out}: cannot write the report: {exc.strerror or exc}")
+
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
         raise OutputError(f"{out}: cannot write the report: a parent is not a directory") from None
     except OSError as exc:
-        raise OutputError(f"{out}: cannot write the report: {exc.strerror or exc}") from None
+        raise fail(exc) from None
+    if out.is_symlink():  # refused below in any case (O_NOFOLLOW); this says why
+        raise OutputError(f"{out}: cannot write the report: is a symlink; give the directory itself")
+    stage_name = f".{out.name}.{secrets.token_hex(8)}.tmp"
+    fds: list[int] = []
+    staged = False
     try:
-        stage = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        stage.mkdir()  # mode 0777 less the umask, as out_dir itself would get
-    except OSError as exc:
-        raise OutputError(f"{out}: cannot write the report: {exc.strerror or exc}") from None
-    try:
+        parent_fd = open_dir(out.parent)
+        fds.append(parent_fd)
+        try:
+            out_fd = os.open(out.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+            fds.append(out_fd)
+        except FileNotFoundError:
+            out_fd = None
+        os.mkdir(stage_name, 0o777, dir_fd=parent_fd)  # less the umask, as out_dir would get
+        staged = True
+        stage = out.parent / stage_name
         page = out / "report.html"
         data = result.to_json()
-        (stage / "postmortem.json").write_text(json.dumps(data, indent=2))
+        write_atomic(stage / "postmortem.json", json.dumps(data, indent=2), mode=0o644)
         _heatmap_png(result, stage / "heatmap.png")
         _steps_png(result, stage / "step_slowdown.png")
-        (stage / "timeline.trace.json").write_text(json.dumps(chrome_trace(result)))
-        (stage / "report.html").write_text(_html(result, data, summary_line(result, str(page))))
-        if not out.exists():
-            os.rename(stage, out)  # the whole directory at once
-            stage = None
-        else:
-            for name in REPORT_FILES:  # each file atomically, after all were written
-                os.replace(stage / name, out / name)
+        write_atomic(stage / "timeline.trace.json", json.dumps(chrome_trace(result)), mode=0o644)
+        write_atomic(stage / "report.html", _html(result, data, summary_line(result, str(page))), mode=0o644)
+        if out_fd is None:  # the whole directory at once
+            os.rename(stage_name, out.name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+            staged = False
+        else:  # each file atomically, once all were written
+            stage_fd = os.open(stage_name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                               dir_fd=parent_fd)
+            fds.append(stage_fd)
+            for name in REPORT_FILES:
+                os.replace(name, name, src_dir_fd=stage_fd, dst_dir_fd=out_fd)
     except OSError as exc:
-        raise OutputError(f"{out}: cannot write the report: {exc.strerror or exc}") from None
+        raise fail(exc) from None
     finally:
-        if stage is not None:
-            shutil.rmtree(stage, ignore_errors=True)
+        if staged:
+            shutil.rmtree(out.parent / stage_name, ignore_errors=True)
+        for fd in fds:
+            os.close(fd)
     return page
 
 

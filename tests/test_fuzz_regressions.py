@@ -271,6 +271,13 @@ def test_report_into_a_path_under_a_file_is_one_line(tmp_path):
     assert_one_line_error(cli("postmortem", "--out", out, FUZZ / "base-small.h5"), "cannot write the report")
 
 
+def test_report_into_a_symlink_is_one_line(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert_one_line_error(cli("postmortem", "--out", tmp_path / "link", FUZZ / "base-small.h5"), "is a symlink")
+    assert list((tmp_path / "real").iterdir()) == []
+
+
 def test_report_writing_is_all_or_nothing(tmp_path, monkeypatch):
     """A failure while writing (here: no space left for the second plot) leaves the
     report directory as it was: the old report whole, no new file, no temporary."""
