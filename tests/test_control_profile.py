@@ -49,3 +49,11 @@ def test_groups_moving_other_bytes_are_not_compared():
 
 def test_a_small_wait_is_jitter_not_a_straggler():
     assert find_suspects(dp_groups({}), rank_nodes=NODES, compute_share={**SHARE, 5: 0.83}) == []
+
+
+def test_a_group_slowed_by_its_compute_straggler_is_not_a_link_suspect():
+    # Rank 5 is slow, and so is its group's allreduce (gloo moves data on the CPU).
+    stats = dp_groups({1: 0.50, 5: 0.30})
+    suspects = find_suspects(stats, rank_nodes=NODES, compute_share={**SHARE, 1: 0.5, 5: 0.9})
+    assert [(s.kind, s.ranks) for s in suspects] == [("compute", (5,))]
+

@@ -85,6 +85,8 @@ class _Process:
 BUSY_POLLS = 10
 """Polls the compute share covers (5 s at the default poll)."""
 _BLOCKING = np.array(sorted(CALL_OPS | {OP["Wait"]}), dtype=np.uint16)
+_COLLECTIVE = np.array([OP[n] for n in ("AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce",
+                                        "Barrier")], dtype=np.uint16)
 
 
 def blocked_seconds(records: np.ndarray) -> float:
@@ -187,19 +189,22 @@ class NodeAgent:
 
     @staticmethod
     def clock(proc: _Process) -> RankClock | None:
-        """Where the rank stands (for the consistent pause): its last iteration's index
-        and start, and its iteration time; None until the tracker has locked on."""
+        """Where the rank stands (for the consistent pause): its last iteration, the
+        time and position of that iteration's last collective (the cut point), and its
+        iteration time; None until the tracker has locked on."""
         tracker = proc.tracker
         n = tracker.num_iterations
         if not tracker.locked or n < 2 or proc.reader.info.rank < 0:
             return None
         rows = tracker.arrivals(n - 1, n - 1)
-        first = rows[rows["position"] == 0]
-        if not len(first):
+        if not len(rows):
             return None
+        collective = rows[np.isin(rows["op"], _COLLECTIVE)]
+        cut = collective[np.argmax(collective["position"])] if len(collective) else rows[np.argmin(rows["position"])]
         return RankClock(rank=proc.reader.info.rank, iteration=n - 1,
-                         started_s=float(proc.reader.info.unix_seconds(int(first["t_start_ns"][0]))),
-                         iteration_s=float(np.median(tracker.iteration_times[-3:])))
+                         started_s=float(proc.reader.info.unix_seconds(int(cut["t_start_ns"]))),
+                         iteration_s=float(np.median(tracker.iteration_times[-3:])),
+                         cut_position=int(cut["position"]) if len(collective) else -1)
 
     def publish(self, client) -> None:
         """Each rank's state, new iteration times and (every few polls) comm figures,

@@ -4,8 +4,8 @@ Collective over the plane's MPI world (every rank calls :func:`validation_round`
 the master's request, broadcast from rank 0):
 
 1. every agent reports where each of its ranks stands (tracker clocks); rank 0 picks
-   the common future iteration (validate.pause_iterations) and every agent sets each
-   rank's gate before that iteration's first call;
+   the common future step boundary (validate.pause_iterations) and every agent sets
+   each rank's gate right after that step's last collective;
 2. the agents wait until every rank is parked there (or give up after a deadline:
    then everything resumes and the round says the pause failed);
 3. GEMMs run one rank at a time in the parked ranks' own processes: a probe on the
@@ -48,8 +48,8 @@ def validation_round(comm, agent, request: dict, *, nodes: list[str]) -> dict | 
 
 def _round(comm, agent, local: dict, request: dict, *, nodes: list[str]) -> dict | None:
     root = comm.rank == 0
-    clocks = [c for cs in comm.allgather([agent.clock(proc) for proc in local.values()])
-              for c in cs if c is not None]
+    here = {rank: agent.clock(proc) for rank, proc in local.items()}
+    clocks = [c for cs in comm.allgather([c for c in here.values() if c is not None]) for c in cs]
     plan = None
     if root:
         try:
@@ -61,8 +61,12 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str]) -> dict
     plan = comm.bcast(plan, root=0)
     if "error" in plan:
         return {"paused": False, "why": plan["error"]} if root else None
-    targets = {rank: proc.tracker.call_number_of_iteration(plan["iterations"][rank])
-               if rank in plan["iterations"] else None for rank, proc in local.items()}
+    targets = {}
+    for rank, proc in local.items():
+        start = proc.tracker.call_number_of_iteration(plan["iterations"][rank]) \
+            if rank in plan["iterations"] and here[rank] is not None else None
+        # Held before the call after the cut point (the step's last collective).
+        targets[rank] = None if start is None else start + here[rank].cut_position + 1
     unplaced = sorted(r for cs in comm.allgather([r for r, t in targets.items() if t is None]) for r in cs)
     if unplaced:
         return {"paused": False, "why": f"the trackers of ranks {unplaced} cannot place the pause iteration "
@@ -81,8 +85,11 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str]) -> dict
         time.sleep(0.02)
     t_parked = time.time()
     if not everyone:
+        where = {r: {"target": t, "parked_at": local[r].reader.parked_at_call, "calls": local[r].reader.calls}
+                 for r, t in targets.items()}
+        where = {r: w for part in comm.allgather(where) for r, w in part.items()}
         return {"paused": False, "why": "not every rank reached the pause iteration in time",
-                "waited_s": round(t_parked - t_pause, 3)} if root else None
+                "waited_s": round(t_parked - t_pause, 3), "ranks": where} if root else None
     gemm = _gemm(comm, local, request)
     bandwidth = {}
     for part in comm.allgather(p2p.measure_passes(comm, agent.node, request["passes"], nodes=nodes)):

@@ -117,4 +117,9 @@ def find_suspects(comm_stats: dict[int, dict[str, dict]], *, rank_nodes: dict[in
                 suspects.append(Suspect(kind="link", ranks=ranks, nodes=nodes, comm=c, score=t / median,
                                         why=f"{op} on comm {c} takes {t / median:.2f}x the median of "
                                             f"{len(cluster)} groups moving {nbytes:.0f} bytes per iteration"))
-    return sorted(suspects, key=lambda s: -s.score)
+    # A group whose member is a compute suspect is slow because of it (collectives on
+    # CPU-driven transports run at the slow rank's pace too): not a link suspect.
+    slow_ranks = {r for s in suspects if s.kind == "compute" for r in s.ranks}
+    suspects = [s for s in suspects if s.kind == "compute" or not slow_ranks & set(s.ranks)]
+    # Scores of the two kinds are not comparable: compute suspects first, each kind by score.
+    return sorted(suspects, key=lambda s: (s.kind != "compute", -s.score))

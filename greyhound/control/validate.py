@@ -3,11 +3,14 @@ the plane (plane.py) carries them out on every node at once.
 
 The pause. A rank blocked inside a call (a receive waiting for a parked peer) never
 reaches the gate, so "park every rank at its next call" can deadlock the pause. Every
-rank is instead parked before the first call of the *same* future iteration: ranks of a
-synchronous job run in lockstep, so each rank's iteration that starts nearest a common
-future time T is the same iteration everywhere; the agent turns it into that rank's
-call number (its tracker knows the period and where the iteration starts) and sets the
-gate to hold the rank there. No parked rank then owes a blocked one anything.
+rank is instead parked at the same step boundary: right after its last collective of
+an iteration (the gradient sync that ends a training step; every point-to-point
+message of a step is matched within that step, so a rank cut there owes nobody
+anything). Each rank's tracker numbers its iterations from its own phase (where its
+lock fell in the cycle), so the boundary is placed by time, not by number: ranks of a
+synchronous job run in lockstep, and each rank's boundary nearest a common future time
+T belongs to the same step everywhere. The agent turns it into that rank's call
+number and sets the gate to hold the rank right before the call after the boundary.
 
 The tests, while every rank is parked:
 - a GEMM in each suspect rank's own process (its CPU set, cgroup, device), sized to
@@ -38,11 +41,16 @@ class RankClock:
     """When it started (Unix seconds)."""
     iteration_s: float
     """The rank's current iteration time (seconds)."""
+    cut_position: int = -1
+    """Where in its iteration the rank is cut: right after the call at this position
+    (its last collective, the step's gradient sync), or -1: before the first call.
+    ``started_s`` is then that call's time."""
 
 
 def pause_iterations(clocks: list[RankClock], *, at_s: float) -> dict[int, int]:
-    """For each rank, the index of its iteration that starts nearest ``at_s`` (and not
-    before the next one): the same iteration on every rank of a lockstep job.
+    """For each rank, the index of its iteration whose cut point (``started_s`` plus a
+    whole number of iterations) is nearest ``at_s``, and not before the next one: the
+    same step on every rank of a lockstep job.
 
     Raises:
         ValueError: a rank has no iteration time yet (its tracker has no period).
