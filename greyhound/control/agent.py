@@ -201,8 +201,11 @@ class NodeAgent:
             return None
         collective = rows[np.isin(rows["op"], _COLLECTIVE)]
         cut = collective[np.argmax(collective["position"])] if len(collective) else rows[np.argmin(rows["position"])]
+        # A collective ends at the same moment on all its members, however early each
+        # entered it (a replica ahead waits inside): its end is the step's time.
+        cut_ns = int(cut["t_end_ns"]) if len(collective) else int(cut["t_start_ns"])
         return RankClock(rank=proc.reader.info.rank, iteration=n - 1,
-                         started_s=float(proc.reader.info.unix_seconds(int(cut["t_start_ns"]))),
+                         started_s=float(proc.reader.info.unix_seconds(cut_ns)),
                          iteration_s=float(np.median(tracker.iteration_times[-3:])),
                          cut_position=int(cut["position"]) if len(collective) else -1)
 

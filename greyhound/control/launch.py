@@ -25,6 +25,8 @@ from pathlib import Path
 from greyhound.control.redis_server import ADDRESS_FILE
 
 LOG_FILE = "control-plane.log"
+STARTS = 2
+"""Attempts to start the plane before one line says it could not."""
 
 
 def srun_command(*, python: str, num_nodes: int) -> list[str]:
@@ -57,22 +59,29 @@ def main() -> int:
         return 0
     # The plane runs on the interpreter that runs this (the plugstack's python=).
     env = {**os.environ, "GREYHOUND_CONTROL_PLANE": "1"}
-    try:
-        proc = subprocess.Popen(srun_command(python=sys.executable, num_nodes=num_nodes), stdin=subprocess.DEVNULL,
-                                stdout=fd, stderr=fd, env=env)
-    except OSError as exc:
-        print(f"greyhound: control plane not started: srun: {exc.strerror}; the job runs without online "
-              "detection", file=sys.stderr)
-        return 0
-    finally:
-        os.close(fd)
-    while True:
+    for attempt in range(1, STARTS + 1):
         try:
-            rc = proc.wait()
+            proc = subprocess.Popen(srun_command(python=sys.executable, num_nodes=num_nodes),
+                                    stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, env=env)
+        except OSError as exc:
+            os.close(fd)
+            print(f"greyhound: control plane not started: srun: {exc.strerror}; the job runs without online "
+                  "detection", file=sys.stderr)
+            return 0
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except InterruptedError:
+                continue
+        started = (Path(run_dir) / ADDRESS_FILE).exists()     # the master had its Redis up
+        if ending or started:
             break
-        except InterruptedError:
-            continue
-    started = (Path(run_dir) / ADDRESS_FILE).exists()     # the master had its Redis up
+        # Open MPI 4.1's TCP transport now and then crashes inside MPI_Init when several
+        # emulated nodes share a host: one more start before giving up.
+        if attempt < STARTS:
+            os.write(fd, f"greyhound: control plane: start {attempt} failed (status {rc}); starting again\n".encode())
+    os.close(fd)
     if not ending and not started:
         why = _last_line(log_path) or f"srun exited with status {rc}"
         print(f"greyhound: control plane not started: {why} (see {log_path}); the job runs without online "
