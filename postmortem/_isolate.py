@@ -43,6 +43,7 @@ def run_isolated(fn, *args, timeout: float, what: str):
         os.close(r)
         code = 0
         try:
+            _quiet()
             try:
                 result = ("ok", fn(*args))
             except GreyhoundError as exc:
@@ -88,6 +89,18 @@ def run_isolated(fn, *args, timeout: float, what: str):
     if tb and not isinstance(exc, GreyhoundError):
         exc.add_note("in the reader's child process:\n" + tb)
     raise exc
+
+
+def _quiet() -> None:
+    """The child prints nothing: its answer goes through the pipe, and a crash dump
+    (faulthandler, a library's message) would break the CLI's one stderr line."""
+    import faulthandler
+
+    faulthandler.disable()
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    os.close(null)
 
 
 def _send(fd: int, result) -> None:

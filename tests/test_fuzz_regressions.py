@@ -397,3 +397,37 @@ def test_merge_skips_a_step_line_whose_values_do_not_fit(tmp_path):
     assert cp.returncode == 0, cp.stderr
     with h5py.File(cp.stdout.strip(), "r") as f:
         assert f["ops/step"][()].tolist() == [1]
+
+
+# -------------------------------------------------------------- the reader's child process
+
+def _segfault():
+    import ctypes
+
+    ctypes.string_at(0)  # what a libhdf5 crash looks like to the parent
+
+
+def _sleep():
+    import time
+
+    time.sleep(60)
+
+
+def _raise_value_error():
+    raise ValueError("a bug, not bad input")
+
+
+def test_isolated_reader_turns_a_crash_and_a_hang_into_input_errors():
+    from greyhound.errors import InputError
+    from postmortem._isolate import ReaderFailed, run_isolated
+
+    assert run_isolated(lambda: {"a": np.arange(3)}, timeout=30, what="x")["a"].tolist() == [0, 1, 2]
+    with pytest.raises(ReaderFailed, match=r"^t\.h5: the HDF5 library crashed reading the file \(SIGSEGV"):
+        run_isolated(_segfault, timeout=30, what="t.h5: the HDF5 library")
+    with pytest.raises(ReaderFailed, match="did not finish reading the file in 1 s"):
+        run_isolated(_sleep, timeout=1, what="t.h5: the HDF5 library")
+    with pytest.raises(InputError, match="as it was"):
+        run_isolated(lambda: (_ for _ in ()).throw(InputError("as it was")), timeout=30, what="x")
+    with pytest.raises(ValueError, match="a bug, not bad input") as info:  # a bug stays a bug
+        run_isolated(_raise_value_error, timeout=30, what="x")
+    assert "in the reader's child process" in "".join(getattr(info.value, "__notes__", []))
