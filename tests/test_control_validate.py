@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from greyhound.control.validate import (
-    RankClock, judge_gemm, judge_links, pause_iterations, pause_lead_s, reference_ranks,
+    RankClock, judge_gemm, judge_links, pause_iterations, pause_lead_s, pause_steps, reference_ranks,
 )
 
 
@@ -51,3 +51,18 @@ def test_a_link_suspect_is_confirmed_by_a_slow_link_on_its_node():
     slow = [{"link": "n3-n4", "node": "n4"}]
     out = judge_links(slow, suspect_nodes=[("n4",), ("n1", "n2")])
     assert [(o["key"], o["confirmed"]) for o in out] == [("link:n4", True), ("link:n1,n2", False)]
+
+
+def test_ranks_cut_at_the_same_step_by_their_step_counts_whatever_their_timing():
+    # Stage 0 ends its step 0.3 s after the last stage; their trackers number from
+    # different phases. By step count they are cut at the same step.
+    clocks = [RankClock(rank=0, iteration=40, started_s=100.3, iteration_s=0.5, cut_position=16, cut_step=41),
+              RankClock(rank=6, iteration=39, started_s=100.0, iteration_s=0.5, cut_position=16, cut_step=41),
+              RankClock(rank=2, iteration=38, started_s=100.1, iteration_s=0.5, cut_position=32, cut_step=40)]
+    target = pause_steps(clocks, lead_s=1.2)
+    # First step every rank can still reach: 41 + 1 + ceil(1.2 / 0.5) = 45.
+    assert target == {0: 44, 6: 43, 2: 43}
+
+
+def test_without_step_counts_the_cut_is_placed_by_time():
+    assert pause_steps([RankClock(rank=0, iteration=1, started_s=0, iteration_s=1.0)], lead_s=1) is None

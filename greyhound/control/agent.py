@@ -204,7 +204,11 @@ class NodeAgent:
         # A collective ends at the same moment on all its members, however early each
         # entered it (a replica ahead waits inside): its end is the step's time.
         cut_ns = int(cut["t_end_ns"]) if len(collective) else int(cut["t_start_ns"])
-        return RankClock(rank=proc.reader.info.rank, iteration=n - 1,
+        cut_step = None
+        if len(collective):
+            per_iteration = int((rows["comm_id"] == cut["comm_id"]).sum())
+            cut_step = int(cut["comm_ordinal"]) // max(1, per_iteration)
+        return RankClock(rank=proc.reader.info.rank, iteration=n - 1, cut_step=cut_step,
                          started_s=float(proc.reader.info.unix_seconds(cut_ns)),
                          iteration_s=float(np.median(tracker.iteration_times[-3:])),
                          cut_position=int(cut["position"]) if len(collective) else -1)

@@ -53,8 +53,10 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str]) -> dict
     plan = None
     if root:
         try:
-            at_s = time.time() + validate.pause_lead_s(clocks, poll_s=request["poll_s"])
-            plan = {"iterations": validate.pause_iterations(clocks, at_s=at_s), "at_s": at_s,
+            lead_s = validate.pause_lead_s(clocks, poll_s=request["poll_s"])
+            at_s = time.time() + lead_s
+            iterations = validate.pause_steps(clocks, lead_s=lead_s) or validate.pause_iterations(clocks, at_s=at_s)
+            plan = {"iterations": iterations, "at_s": at_s,
                     "deadline_s": at_s + max(PARK_TIMEOUT_MIN_S, 5 * max(c.iteration_s for c in clocks))}
         except ValueError as exc:
             plan = {"error": str(exc)}

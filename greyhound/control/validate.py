@@ -25,6 +25,7 @@ The tests, while every rank is parked:
 from __future__ import annotations
 
 import dataclasses
+import math
 import numpy as np
 
 GEMM_SLOW_RATIO = 1.3
@@ -45,6 +46,22 @@ class RankClock:
     """Where in its iteration the rank is cut: right after the call at this position
     (its last collective, the step's gradient sync), or -1: before the first call.
     ``started_s`` is then that call's time."""
+    cut_step: int | None = None
+    """Steps the rank has completed at that cut: how many times it has made its cut
+    collective (its ordinal on that communicator, over the calls it makes there per
+    iteration). Every rank makes its step's gradient sync once a step, so this counts
+    the same steps everywhere, whatever each tracker's own numbering."""
+
+
+def pause_steps(clocks: list[RankClock], *, lead_s: float) -> dict[int, int] | None:
+    """For each rank, the index of its iteration to cut at, by step count: the first
+    step every rank can still reach after ``lead_s`` (None: some rank has no step count,
+    then :func:`pause_iterations` places the cut by time)."""
+    if not clocks or any(c.cut_step is None for c in clocks):
+        return None
+    slowest = max(c.iteration_s for c in clocks)
+    step = max(c.cut_step for c in clocks) + 1 + math.ceil(lead_s / slowest)
+    return {c.rank: c.iteration + (step - c.cut_step) for c in clocks}
 
 
 def pause_iterations(clocks: list[RankClock], *, at_s: float) -> dict[int, int]:
