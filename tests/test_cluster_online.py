@@ -1,7 +1,6 @@
-"""Online detection on the real local cluster: the reference job (DP=2 x PP=4 on 4 nodes)
-under `sbatch --greyhound`, its control plane started by the plugin, real fail-slows
-injected with `greyhound inject`, the verdict read back from the event log and
-`greyhound status --json`.
+"""The job's control plane on the real local cluster: the reference job (DP=2 x PP=4 on
+4 nodes) under `sbatch --greyhound`, its control plane started by the plugin, and what
+another user can reach of it.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SlurmJob
-from greyhound.control.events import read_events
 
 pytestmark = pytest.mark.cluster
 
@@ -54,39 +52,6 @@ def wait_tracking(job_id: str, iterations: int = 15, timeout_s: float = 240) -> 
             return st
         time.sleep(1)
     raise AssertionError(f"job {job_id}: trackers did not report {iterations} iterations in {timeout_s}s: {st}")
-
-
-def step_times(out: Path) -> list[tuple[float, float]]:
-    """(end time, step time) of each step."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [(r["time"], r["step_time"]) for r in rows]
-
-
-def test_a_compute_fail_slow_is_detected_validated_named_and_its_end_seen(cluster, tmp_path):
-    out = tmp_path / "out"
-    job = submit(out, 170)
-    wait_tracking(job.job_id)
-    truth = tmp_path / "truth.jsonl"
-    subprocess.run([GREYHOUND, "inject", "compute", "--job", job.job_id, "--rank", "5", "--duration", "25",
-                    "--truth", str(truth)], check=True, capture_output=True, timeout=120)
-    assert job.wait(600) == "COMPLETED", job.text()
-    record = json.loads(truth.read_text().splitlines()[-1])
-    events = read_events(RUN_DIR_BASE / job.job_id)
-    by_kind: dict = {}
-    for e in events:                     # the first of each: the injected episode
-        by_kind.setdefault(e["kind"], e)
-    assert "detected" in by_kind and "verdict" in by_kind, events
-    verdict = by_kind["verdict"]["verdict"]
-    assert (verdict["kind"], verdict["ranks"], verdict["nodes"]) == ("compute", [5], ["n3"]), verdict
-    assert verdict["validated"] is True, verdict
-    assert by_kind["paused"]["seconds"] > 0
-    before = sorted(t for end, t in step_times(out) if end < record["start"])
-    healthy = before[len(before) // 2]
-    delay_s = by_kind["detected"]["time"] - record["start"]
-    assert 0 < delay_s < 12 * healthy * verdict["severity"], (delay_s, healthy)
-    assert "recovered" in by_kind and by_kind["recovered"]["time"] > record["end"], events
-    shown = status(job.job_id)
-    assert shown["control_plane"] in ("stopped", "failed")
 
 
 def test_another_user_can_neither_read_the_password_nor_use_the_jobs_redis(cluster, tmp_path):
