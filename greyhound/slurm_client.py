@@ -1,4 +1,4 @@
-"""The Slurm client: the only module that talks to Slurm (scontrol, sacct, sacctmgr).
+"""The Slurm client: the only module that runs Slurm commands (scontrol, squeue, sacct, sacctmgr, sinfo).
 
 Two backends behind one interface:
 
@@ -25,7 +25,6 @@ import dataclasses
 import logging
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Protocol
@@ -113,13 +112,17 @@ def merge_comment(existing: str, summary: str, *, prefix: str = "greyhound:") ->
     return f"{user_part} | {summary[:room]}"
 
 
-def _run(argv: list[str], *, what: str) -> str:
+def _run(argv: list[str], *, what: str, timeout_s: float = _TIMEOUT_S) -> str:
+    """stdout of a Slurm command (an argument list, never a shell); SlurmError with the
+    command's last error line when it cannot run, fails or does not answer in time."""
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
     except FileNotFoundError as exc:
         raise SlurmError(f"{what}: {argv[0]} not found; is Slurm installed and on PATH?") from exc
+    except OSError as exc:
+        raise SlurmError(f"{what}: cannot run {argv[0]}: {exc.strerror or exc}") from exc
     except subprocess.TimeoutExpired as exc:
-        raise SlurmError(f"{what}: {argv[0]} did not answer within {_TIMEOUT_S}s") from exc
+        raise SlurmError(f"{what}: {argv[0]} did not answer within {timeout_s:g}s") from exc
     if proc.returncode != 0:
         detail = (proc.stderr or proc.stdout).strip().splitlines()
         raise SlurmError(f"{what}: {' '.join(argv[:2])} failed: {detail[-1] if detail else f'exit {proc.returncode}'}")
@@ -303,11 +306,9 @@ class PySlurmClient(CommandLineClient):
 
 def running_slurm_version() -> str | None:
     """The installed Slurm's version ("22.05.8"), or None when Slurm is not installed."""
-    if shutil.which("sinfo") is None:
-        return None
     try:
-        out = subprocess.run(["sinfo", "--version"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
+        out = _run(["sinfo", "--version"], what="Slurm version", timeout_s=10)
+    except SlurmError:
         return None
     match = re.search(r"(\d+\.\d+\.\d+)", out)
     return match.group(1) if match else None

@@ -30,18 +30,25 @@ def _cluster_reason() -> str | None:
     return None
 
 
+def require(missing: str | None) -> None:
+    """Skips the calling test when ``missing`` says what it lacks; under CI (CI=true,
+    where .ci/run has set everything up) the missing piece is a failure, not a skip."""
+    if missing is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI: {missing}", pytrace=False)
+    pytest.skip(missing)
+
+
 @pytest.fixture(scope="session")
 def cluster() -> None:
     """Skips a test unless the local Slurm cluster (scripts/cluster up) answers; under CI
-    (CI=true, where .ci/run has started the cluster) a missing cluster is a failure.
-    Nodes still completing or planned for another job are waited for, not skipped."""
+    a missing cluster is a failure (see :func:`require`). Nodes still completing or
+    planned for another job are waited for, not skipped."""
     deadline = time.monotonic() + 90
     while (reason := _cluster_reason()) and "no usable node" in reason and time.monotonic() < deadline:
         time.sleep(2)
-    if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI: {reason}", pytrace=False)
-        pytest.skip(reason)
+    require(reason)
 
 
 class SlurmJob:

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
+import re
+import shutil
 import subprocess
+import sys
+import types
 
 import pytest
+from conftest import require
 
-from greyhound.errors import InputError
-from greyhound.slurm_client import COMMENT_MAX_LEN, check_job_id, choose_backend, connect, merge_comment
+from greyhound import slurm_client
+from greyhound.errors import InputError, SlurmError
+from greyhound.slurm_client import (COMMENT_MAX_LEN, CommandLineClient, PySlurmClient, check_job_id,
+                                    choose_backend, connect, merge_comment, running_slurm_version)
 
 
 def test_check_job_id_accepts_jobs_and_array_tasks():
@@ -39,11 +47,39 @@ def test_merge_comment_fits_slurms_limit_and_never_cuts_the_user():
         merge_comment("", "greyhound: a\nb")
 
 
-def test_backend_choice_says_why():
-    backend, reason = choose_backend()
-    assert backend in ("command-line", "pyslurm")
-    assert reason
-    print(f"slurm client backend: {backend} ({reason})")
+def test_this_machine_uses_the_command_line_backend(monkeypatch):
+    """Debian 12's Slurm is 22.05 (scripts/setup) and PyPI has no pyslurm for it, so the
+    client must run Slurm's commands, and say exactly why."""
+    monkeypatch.delenv("GREYHOUND_SLURM_BACKEND", raising=False)
+    require(None if shutil.which("sinfo") else "Slurm is not installed: run scripts/setup")
+    assert re.fullmatch(r"22\.05\.\d+", running_slurm_version() or "")
+    assert importlib.util.find_spec("pyslurm") is None
+    assert choose_backend() == ("command-line", "pyslurm is not installed (PyPI has none for Slurm 22.05)")
+    assert type(connect()) is CommandLineClient
+
+
+def test_backend_override_and_pyslurm_version_match(monkeypatch):
+    monkeypatch.setenv("GREYHOUND_SLURM_BACKEND", "command-line")
+    assert choose_backend() == ("command-line", "GREYHOUND_SLURM_BACKEND=command-line")
+    monkeypatch.delenv("GREYHOUND_SLURM_BACKEND")
+    fake = types.ModuleType("pyslurm")
+    fake.__version__ = "22.5.1"
+    monkeypatch.setitem(sys.modules, "pyslurm", fake)
+    monkeypatch.setattr(slurm_client, "running_slurm_version", lambda: "22.05.8")
+    assert choose_backend() == ("command-line", "pyslurm 22.5.1 does not match Slurm 22.05.8")
+    fake.__version__ = "22.05.0"
+    assert choose_backend() == ("pyslurm", "pyslurm 22.05.0 matches Slurm 22.05.8")
+    client = connect()
+    assert type(client) is PySlurmClient and client.backend == "pyslurm"
+    monkeypatch.setattr(slurm_client, "running_slurm_version", lambda: None)
+    assert choose_backend() == ("command-line", "pyslurm 22.05.0 does not match Slurm ?")
+
+
+def test_a_command_that_cannot_run_is_one_slurm_error(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert running_slurm_version() is None
+    with pytest.raises(SlurmError, match=r"^hostnames: scontrol not found; is Slurm installed and on PATH\?$"):
+        CommandLineClient().hostnames("n[1-2]")
 
 
 @pytest.mark.cluster

@@ -3,19 +3,19 @@
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.  Under srun
 each task has SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID; the rendezvous address is
 MASTER_ADDR when the batch script exported it, else the first node of the job's node
-list (``scontrol show hostnames``; its NodeAddr when Slurm knows one, because emulated
-nodes share a host and their names need not resolve), and the port MASTER_PORT or one
-derived from the job id, so that two jobs on one node do not collide.
+list (asked of Slurm through greyhound.slurm_client; its NodeAddr when Slurm knows one,
+because emulated nodes share a host and their names need not resolve), and the port
+MASTER_PORT or one derived from the job id, so that two jobs on one node do not collide.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import subprocess
 from dataclasses import dataclass
 
-_SCONTROL_TIMEOUT_S = 20
+from greyhound.errors import InputError, SlurmError
+from greyhound.slurm_client import connect
 
 
 class LaunchError(RuntimeError):
@@ -45,32 +45,19 @@ def _int_env(env: dict, name: str) -> int:
         raise LaunchError(f"environment variable {name}={env[name]!r} is not an integer") from None
 
 
-def _scontrol(*args: str) -> str:
-    try:
-        out = subprocess.run(["scontrol", *args], capture_output=True, text=True, check=False,
-                             timeout=_SCONTROL_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise LaunchError(f"scontrol {' '.join(args)} failed: {exc}; export MASTER_ADDR instead") from None
-    if out.returncode != 0:
-        raise LaunchError(f"scontrol {' '.join(args)} failed: {out.stderr.strip() or out.returncode}; "
-                          "export MASTER_ADDR instead")
-    return out.stdout
-
-
 def first_node_address(nodelist: str) -> str:
     """Address of the first node of a Slurm node list (NodeAddr, else its name)."""
-    names = _scontrol("show", "hostnames", nodelist).split()
+    client = connect()
+    try:
+        names = client.hostnames(nodelist)
+    except SlurmError as exc:
+        raise LaunchError(f"{exc}; export MASTER_ADDR instead") from None
     if not names:
         raise LaunchError(f"Slurm node list {nodelist!r} names no node")
-    first = names[0]
     try:
-        info = _scontrol("show", "node", "-o", first)
-    except LaunchError:
-        return first
-    for field in info.split():
-        if field.startswith("NodeAddr="):
-            return field.split("=", 1)[1] or first
-    return first
+        return client.node_address(names[0])
+    except (SlurmError, InputError):
+        return names[0]
 
 
 def detect(env: dict | None = None) -> ProcessEnv:
