@@ -9,10 +9,19 @@ reader skips a torn last line.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import math
 import os
+import stat
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from greyhound.errors import InputError
+
+log = logging.getLogger(__name__)
 
 EVENTS_FILE = "events.jsonl"
 
@@ -39,18 +48,101 @@ def append_event(run_dir: str | os.PathLike, kind: str, **fields) -> dict:
     return event
 
 
-def read_events(run_dir: str | os.PathLike) -> list[dict]:
-    """The job's events in order ([] when there are none); torn or foreign lines skipped."""
+MAX_LOG_BYTES = 4 << 20
+"""The most of the event log a reader reads: its last 4 MiB (a busy job writes a few KB)."""
+MAX_EVENTS = 10_000
+"""The most events a reader keeps: the last ones."""
+
+
+@dataclass(frozen=True)
+class EventLog:
+    """What a bounded read of the event log found."""
+
+    events: list[dict]
+    """The events, in file order (the last :data:`MAX_EVENTS` at most)."""
+    num_skipped: int = 0
+    """Lines in the part read that are not events (torn, foreign, not JSON, no kind or time)."""
+    num_dropped: int = 0
+    """Events left out by the count cap (older ones)."""
+    bytes_not_read: int = 0
+    """Bytes before the part read, left out by the size cap (older events)."""
+
+
+def read_event_log(run_dir: str | os.PathLike, *, max_bytes: int = MAX_LOG_BYTES,
+                   max_events: int = MAX_EVENTS) -> EventLog | None:
+    """The job's event log, bounded; None when there is none.
+
+    The run dir is the job user's, so the file is untrusted: it is opened without
+    following a symlink and without blocking (a FIFO), must be a regular file, and
+    only its last ``max_bytes`` are read (the first, partial line of that tail is
+    dropped). Lines that are not events are skipped and counted, never raised.
+
+    Raises:
+        InputError: the log exists but is not a readable regular file (one line, why).
+    """
+    path = Path(run_dir) / EVENTS_FILE
     try:
-        text = (Path(run_dir) / EVENTS_FILE).read_text(encoding="utf-8", errors="replace")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        return []
-    events = []
-    for line in text.splitlines():
+        return None
+    except OSError as exc:
+        why = "is a symlink" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+        raise InputError(f"{path}: cannot read the event log: {why}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{path}: cannot read the event log: not a regular file")
+        skip = max(0, st.st_size - max_bytes)
+        chunks, size = [], 0
         try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
+            os.lseek(fd, skip, os.SEEK_SET)
+            while size < max_bytes:
+                chunk = os.read(fd, min(1 << 20, max_bytes - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+        except OSError as exc:
+            raise InputError(f"{path}: cannot read the event log: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if skip:  # the tail starts inside a line, unless a line ended right before it
+        cut = data.find(b"\n") + 1
+        skip, data = skip + cut, data[cut:]
+    events, skipped = [], 0
+    for line in data.split(b"\n"):
+        if not line.strip():
             continue
-        if isinstance(event, dict) and event.get("kind") in KINDS and isinstance(event.get("time"), (int, float)):
+        event = _parse_line(line)
+        if event is None:
+            skipped += 1
+        else:
             events.append(event)
-    return events
+    dropped = max(0, len(events) - max_events)
+    return EventLog(events=events[dropped:], num_skipped=skipped, num_dropped=dropped, bytes_not_read=skip)
+
+
+def _parse_line(line: bytes) -> dict | None:
+    """One line's event, or None when it is not one (any parse failure included)."""
+    try:
+        event = json.loads(line.decode("utf-8", errors="replace"))
+    except (ValueError, RecursionError):  # JSONDecodeError, too many digits, nesting
+        return None
+    if not isinstance(event, dict) or event.get("kind") not in KINDS:
+        return None
+    t = event.get("time")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        return None
+    return event
+
+
+def read_events(run_dir: str | os.PathLike) -> list[dict]:
+    """The job's events in order ([] when there are none or the log is unreadable);
+    bounded and hardened as :func:`read_event_log`."""
+    try:
+        log_ = read_event_log(run_dir)
+    except InputError as exc:
+        log.warning("%s", exc)
+        return []
+    return [] if log_ is None else log_.events
