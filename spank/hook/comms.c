@@ -131,6 +131,19 @@ void gh_comm_remove(uint8_t source, uint64_t handle)
 	bump_gen();
 }
 
+void gh_comm_end_done(const struct gh_comm_end *e, int destroyed, int32_t rc)
+{
+	uint64_t now;
+
+	if (!e->known || !destroyed)
+		return;
+	gh_comm_remove(e->source, e->handle);
+	gh_comm_retire(e->info.comm_id);
+	now = gh_now_ns(); /* one reading: start == end, never end < start */
+	gh_record(GH_OP_COMM_DESTROY, e->source, e->info.flags, now, now, 0, e->info.comm_id,
+		  e->info.rank, 0, rc);
+}
+
 uint32_t gh_comm_ordinal(uint8_t source, uint64_t member_hash)
 {
 	uint64_t key = (member_hash ^ ((uint64_t)source << 56)) | 1ull;

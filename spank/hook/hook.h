@@ -10,7 +10,8 @@
  *     gh_record(...); gh_leave(); return rc;
  *
  * so the program's call always happens exactly once with its own arguments and
- * its own return value, whatever state the hook is in.
+ * its own return value, whatever state the hook is in. GH_INTERPOSE (below)
+ * is that shape, written once for every family of calls.
  */
 #ifndef GH_HOOK_H
 #define GH_HOOK_H
@@ -294,6 +295,28 @@ static inline int gh_comm_lookup(uint8_t source, uint64_t handle, struct gh_comm
 }
 void gh_comm_insert(uint8_t source, uint64_t handle, const struct gh_comm_info *info);
 void gh_comm_remove(uint8_t source, uint64_t handle);
+/*
+ * A call that destroys a communicator (MPI_Comm_free, ncclCommDestroy,
+ * ncclCommAbort). gh_comm_end_begin, before the call, looks the handle up (after
+ * it the library may give the handle to another communicator). gh_comm_end_done,
+ * after it, if the hook knew the communicator and `destroyed` says the call
+ * destroyed it: forgets the handle, retires the id in the ring's table and
+ * records GH_OP_COMM_DESTROY with the call's rc.
+ */
+struct gh_comm_end {
+	uint64_t handle;
+	uint8_t source;
+	int known;
+	struct gh_comm_info info;
+};
+
+static inline void gh_comm_end_begin(struct gh_comm_end *e, uint8_t source, uint64_t handle)
+{
+	e->handle = handle;
+	e->source = source;
+	e->known = gh_comm_lookup(source, handle, &e->info);
+}
+void gh_comm_end_done(const struct gh_comm_end *e, int destroyed, int32_t rc);
 /* Counts earlier communicators of the same members (to tell duplicates apart). */
 uint32_t gh_comm_ordinal(uint8_t source, uint64_t member_hash);
 uint32_t gh_comm_next_split(uint8_t source, uint64_t handle);
@@ -335,6 +358,45 @@ static inline void *gh_resolve(void **cache, const char *name)
 		return p;
 	return gh_resolve_slow(cache, name);
 }
+
+/*
+ * GH_REAL(fn): the real fn (gh_resolve), typed as the library's header declares
+ * fn; NULL if no loaded object defines it. Each use has its own cache.
+ */
+#define GH_REAL(fn) ({							\
+	static void *gh_real_cache_;					\
+	(__typeof__(&fn))gh_resolve(&gh_real_cache_, #fn);		\
+})
+
+/*
+ * The body of an interposed function, the shape at the top of this file:
+ *
+ *   fn       the function; its real one is GH_REAL(fn)
+ *   args     its arguments, in parentheses, passed on unchanged
+ *   missing  what it returns when no loaded object defines fn
+ *   enter    whether to record the call: the family's gh_enter() (gh_leave()
+ *            follows); the call passes straight through when it is 0
+ *   begin    statements before the call (the gate, the start time)
+ *   end      statements after it (the end time, the record), which see the
+ *            call's result as rc
+ *
+ * The real function is called exactly once and its result returned.
+ */
+#define GH_INTERPOSE(fn, args, missing, enter, begin, end)		\
+	do {								\
+		__typeof__(&fn) real = GH_REAL(fn);			\
+		__typeof__(fn args) rc;					\
+									\
+		if (GH_UNLIKELY(!real))					\
+			return (missing);				\
+		if (!(enter))						\
+			return real args;				\
+		begin;							\
+		rc = real args;						\
+		end;							\
+		gh_leave();						\
+		return rc;						\
+	} while (0)
 /* Same search for a symbol the hook only calls (e.g. PMPI_Comm_size). */
 void *gh_lookup_loaded(const char *name);
 

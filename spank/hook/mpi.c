@@ -44,18 +44,7 @@ _Static_assert(MPI_SUCCESS == 0 && MPI_ANY_SOURCE == -1 && MPI_UNDEFINED == -327
 	       MPI_COMBINER_NAMED == 0, "Open MPI constants the hook assumes");
 #endif
 
-#define DECLARE_REAL(fn) static void *real_##fn
-#define REAL(fn) ((__typeof__(&fn))gh_resolve(&real_##fn, #fn))
-
 #define WAIT_TRACKED 64 /* requests of one Waitall/Waitsome recorded one by one */
-
-DECLARE_REAL(PMPI_Comm_size);
-DECLARE_REAL(PMPI_Comm_rank);
-DECLARE_REAL(PMPI_Comm_group);
-DECLARE_REAL(PMPI_Group_translate_ranks);
-DECLARE_REAL(PMPI_Group_free);
-DECLARE_REAL(PMPI_Type_size);
-DECLARE_REAL(PMPI_Type_get_envelope);
 
 static uint64_t handle_of(MPI_Comm comm)
 {
@@ -152,9 +141,9 @@ static inline int mpi_enter(void)
 /* Member hash over world ranks; 0 if MPI cannot tell (then the id is local). */
 static int member_hash(MPI_Comm comm, int size, uint64_t *hash)
 {
-	__typeof__(&PMPI_Comm_group) comm_group = REAL(PMPI_Comm_group);
-	__typeof__(&PMPI_Group_translate_ranks) translate = REAL(PMPI_Group_translate_ranks);
-	__typeof__(&PMPI_Group_free) group_free = REAL(PMPI_Group_free);
+	__typeof__(&PMPI_Comm_group) comm_group = GH_REAL(PMPI_Comm_group);
+	__typeof__(&PMPI_Group_translate_ranks) translate = GH_REAL(PMPI_Group_translate_ranks);
+	__typeof__(&PMPI_Group_free) group_free = GH_REAL(PMPI_Group_free);
 	MPI_Comm world = world_comm();
 	MPI_Group group, wgroup;
 	int ranks[256], wranks[256];
@@ -197,8 +186,8 @@ static __attribute__((noinline)) void comm_info_slow(MPI_Comm comm, struct gh_co
 	__typeof__(&PMPI_Comm_rank) comm_rank;
 	uint64_t hash, now;
 
-	comm_size = REAL(PMPI_Comm_size);
-	comm_rank = REAL(PMPI_Comm_rank);
+	comm_size = GH_REAL(PMPI_Comm_size);
+	comm_rank = GH_REAL(PMPI_Comm_rank);
 	ci->size = -1;
 	ci->rank = -1;
 	ci->num_splits = 0;
@@ -250,8 +239,8 @@ static inline uint32_t type_slot(uint64_t key)
 
 static int type_size_slow(MPI_Datatype type, uint64_t key)
 {
-	__typeof__(&PMPI_Type_size) type_size = REAL(PMPI_Type_size);
-	__typeof__(&PMPI_Type_get_envelope) envelope = REAL(PMPI_Type_get_envelope);
+	__typeof__(&PMPI_Type_size) type_size = GH_REAL(PMPI_Type_size);
+	__typeof__(&PMPI_Type_get_envelope) envelope = GH_REAL(PMPI_Type_get_envelope);
 	int size = 0, ni, na, nd, combiner;
 
 	if (!type_size || type_size(type, &size) != MPI_SUCCESS || size < 0)
@@ -306,436 +295,271 @@ static inline void rec(uint16_t op, uint32_t flags, uint64_t t0, uint64_t t1,
 		  t0, t1, bytes, ci->comm_id, peer, req, rc);
 }
 
+/* ---- the common shape of a communication call ----------------------------- */
+
+/* A recorded communication call between its two halves. */
+struct call {
+	uint64_t t0, t1;
+	struct gh_comm_info ci;   /* its communicator, from op_done on */
+};
+
+/* Before the call: the pause gate, which numbers it, then its start time. */
+static inline void op_begin(struct call *c)
+{
+	gh_gate_call();
+	c->t0 = gh_now_ns();
+}
+
+/* After it: its end time, then its communicator (derived at its first use, after t1). */
+static inline void op_done(struct call *c, MPI_Comm comm)
+{
+	c->t1 = gh_now_ns();
+	comm_info(comm, &c->ci);
+}
+
+static inline void op_record(const struct call *c, uint16_t op, uint32_t flags, uint64_t bytes,
+			     int32_t peer, uint64_t req, int rc)
+{
+	rec(op, flags, c->t0, c->t1, bytes, &c->ci, peer, req, rc);
+}
+
+/*
+ * The body of a communication call fn on comm (GH_INTERPOSE): gated and timed,
+ * then `record`: statements that see the result as rc and the call as c, its
+ * communicator in c.ci.
+ */
+#define MPI_OP(fn, args, comm, record)						\
+	struct call c;								\
+	GH_INTERPOSE(fn, args, MPI_ERR_INTERN, mpi_enter(), op_begin(&c),	\
+		     op_done(&c, comm); record)
+
+static inline uint32_t in_place(const void *sendbuf)
+{
+	return sendbuf == MPI_IN_PLACE ? GH_F_IN_PLACE : 0;
+}
+
+/* A count per rank times the communicator's size (1 if MPI could not say it). */
+static inline long all_ranks(const struct call *c, int count)
+{
+	return (long)count * (c->ci.size > 0 ? c->ci.size : 1);
+}
+
+/* A request's id in the records: its handle (the completion call resets it). */
+static inline uint64_t req_id(const MPI_Request *request)
+{
+	return request ? (uint64_t)(uintptr_t)*request : 0;
+}
+
 /* ---- collectives ---------------------------------------------------------- */
 
-DECLARE_REAL(MPI_Allreduce);
 GH_EXPORT int MPI_Allreduce(const void *sendbuf, void *recvbuf, int count,
 			    MPI_Datatype datatype, MPI_Op op, MPI_Comm comm)
 {
-	__typeof__(&MPI_Allreduce) real = REAL(MPI_Allreduce);
-	struct gh_comm_info ci;
-	uint64_t t0, t1;
-	int rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(sendbuf, recvbuf, count, datatype, op, comm);
-	gh_gate_call();
-	t0 = gh_now_ns();
-	rc = real(sendbuf, recvbuf, count, datatype, op, comm);
-	t1 = gh_now_ns();
-	comm_info(comm, &ci);
-	rec(GH_OP_ALLREDUCE, sendbuf == MPI_IN_PLACE ? GH_F_IN_PLACE : 0, t0, t1,
-	    type_bytes(datatype, count), &ci, -1, 0, rc);
-	gh_leave();
-	return rc;
+	MPI_OP(MPI_Allreduce, (sendbuf, recvbuf, count, datatype, op, comm), comm,
+	       op_record(&c, GH_OP_ALLREDUCE, in_place(sendbuf), type_bytes(datatype, count),
+			 -1, 0, rc));
 }
 
-DECLARE_REAL(MPI_Reduce_scatter);
+/* Bytes reduced by Reduce_scatter: the whole input (the sum of the pieces). */
+static long sum_counts(const int counts[], int num_ranks)
+{
+	long total = 0;
+
+	for (int i = 0; counts && i < num_ranks; i++)
+		total += counts[i];
+	return total;
+}
+
 GH_EXPORT int MPI_Reduce_scatter(const void *sendbuf, void *recvbuf, const int recvcounts[],
 				 MPI_Datatype datatype, MPI_Op op, MPI_Comm comm)
 {
-	__typeof__(&MPI_Reduce_scatter) real = REAL(MPI_Reduce_scatter);
-	struct gh_comm_info ci;
-	uint64_t t0, t1;
-	long total = 0;
-	int rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(sendbuf, recvbuf, recvcounts, datatype, op, comm);
-	gh_gate_call();
-	t0 = gh_now_ns();
-	rc = real(sendbuf, recvbuf, recvcounts, datatype, op, comm);
-	t1 = gh_now_ns();
-	comm_info(comm, &ci);
-	/* Bytes reduced: the whole input (sum of the pieces). */
-	for (int i = 0; recvcounts && i < ci.size; i++)
-		total += recvcounts[i];
-	rec(GH_OP_REDUCESCATTER, sendbuf == MPI_IN_PLACE ? GH_F_IN_PLACE : 0, t0, t1,
-	    type_bytes(datatype, total), &ci, -1, 0, rc);
-	gh_leave();
-	return rc;
+	MPI_OP(MPI_Reduce_scatter, (sendbuf, recvbuf, recvcounts, datatype, op, comm), comm,
+	       op_record(&c, GH_OP_REDUCESCATTER, in_place(sendbuf),
+			 type_bytes(datatype, sum_counts(recvcounts, c.ci.size)), -1, 0, rc));
 }
 
-DECLARE_REAL(MPI_Reduce_scatter_block);
 GH_EXPORT int MPI_Reduce_scatter_block(const void *sendbuf, void *recvbuf, int recvcount,
 				       MPI_Datatype datatype, MPI_Op op, MPI_Comm comm)
 {
-	__typeof__(&MPI_Reduce_scatter_block) real = REAL(MPI_Reduce_scatter_block);
-	struct gh_comm_info ci;
-	uint64_t t0, t1;
-	int rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(sendbuf, recvbuf, recvcount, datatype, op, comm);
-	gh_gate_call();
-	t0 = gh_now_ns();
-	rc = real(sendbuf, recvbuf, recvcount, datatype, op, comm);
-	t1 = gh_now_ns();
-	comm_info(comm, &ci);
-	rec(GH_OP_REDUCESCATTER, sendbuf == MPI_IN_PLACE ? GH_F_IN_PLACE : 0, t0, t1,
-	    type_bytes(datatype, (long)recvcount * (ci.size > 0 ? ci.size : 1)), &ci, -1, 0, rc);
-	gh_leave();
-	return rc;
+	MPI_OP(MPI_Reduce_scatter_block, (sendbuf, recvbuf, recvcount, datatype, op, comm), comm,
+	       op_record(&c, GH_OP_REDUCESCATTER, in_place(sendbuf),
+			 type_bytes(datatype, all_ranks(&c, recvcount)), -1, 0, rc));
 }
 
-DECLARE_REAL(MPI_Allgather);
+/* Bytes gathered: the whole output (the send side may be MPI_IN_PLACE). */
 GH_EXPORT int MPI_Allgather(const void *sendbuf, int sendcount, MPI_Datatype sendtype,
 			    void *recvbuf, int recvcount, MPI_Datatype recvtype, MPI_Comm comm)
 {
-	__typeof__(&MPI_Allgather) real = REAL(MPI_Allgather);
-	struct gh_comm_info ci;
-	uint64_t t0, t1;
-	int rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm);
-	gh_gate_call();
-	t0 = gh_now_ns();
-	rc = real(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm);
-	t1 = gh_now_ns();
-	comm_info(comm, &ci);
-	/* Bytes gathered: the whole output (the send side may be MPI_IN_PLACE). */
-	rec(GH_OP_ALLGATHER, sendbuf == MPI_IN_PLACE ? GH_F_IN_PLACE : 0, t0, t1,
-	    type_bytes(recvtype, (long)recvcount * (ci.size > 0 ? ci.size : 1)), &ci, -1, 0, rc);
-	gh_leave();
-	return rc;
+	MPI_OP(MPI_Allgather, (sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm),
+	       comm, op_record(&c, GH_OP_ALLGATHER, in_place(sendbuf),
+			       type_bytes(recvtype, all_ranks(&c, recvcount)), -1, 0, rc));
 }
 
-DECLARE_REAL(MPI_Bcast);
 GH_EXPORT int MPI_Bcast(void *buffer, int count, MPI_Datatype datatype, int root,
 			MPI_Comm comm)
 {
-	__typeof__(&MPI_Bcast) real = REAL(MPI_Bcast);
-	struct gh_comm_info ci;
-	uint64_t t0, t1;
-	int rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(buffer, count, datatype, root, comm);
-	gh_gate_call();
-	t0 = gh_now_ns();
-	rc = real(buffer, count, datatype, root, comm);
-	t1 = gh_now_ns();
-	comm_info(comm, &ci);
-	rec(GH_OP_BROADCAST, 0, t0, t1, type_bytes(datatype, count), &ci, root, 0, rc);
-	gh_leave();
-	return rc;
+	MPI_OP(MPI_Bcast, (buffer, count, datatype, root, comm), comm,
+	       op_record(&c, GH_OP_BROADCAST, 0, type_bytes(datatype, count), root, 0, rc));
 }
 
-DECLARE_REAL(MPI_Reduce);
 GH_EXPORT int MPI_Reduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype datatype,
 			 MPI_Op op, int root, MPI_Comm comm)
 {
-	__typeof__(&MPI_Reduce) real = REAL(MPI_Reduce);
-	struct gh_comm_info ci;
-	uint64_t t0, t1;
-	int rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(sendbuf, recvbuf, count, datatype, op, root, comm);
-	gh_gate_call();
-	t0 = gh_now_ns();
-	rc = real(sendbuf, recvbuf, count, datatype, op, root, comm);
-	t1 = gh_now_ns();
-	comm_info(comm, &ci);
-	rec(GH_OP_REDUCE, sendbuf == MPI_IN_PLACE ? GH_F_IN_PLACE : 0, t0, t1,
-	    type_bytes(datatype, count), &ci, root, 0, rc);
-	gh_leave();
-	return rc;
+	MPI_OP(MPI_Reduce, (sendbuf, recvbuf, count, datatype, op, root, comm), comm,
+	       op_record(&c, GH_OP_REDUCE, in_place(sendbuf), type_bytes(datatype, count), root,
+			 0, rc));
 }
 
-DECLARE_REAL(MPI_Barrier);
 GH_EXPORT int MPI_Barrier(MPI_Comm comm)
 {
-	__typeof__(&MPI_Barrier) real = REAL(MPI_Barrier);
-	struct gh_comm_info ci;
-	uint64_t t0, t1;
-	int rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(comm);
-	gh_gate_call();
-	t0 = gh_now_ns();
-	rc = real(comm);
-	t1 = gh_now_ns();
-	comm_info(comm, &ci);
-	rec(GH_OP_BARRIER, 0, t0, t1, 0, &ci, -1, 0, rc);
-	gh_leave();
-	return rc;
+	MPI_OP(MPI_Barrier, (comm), comm, op_record(&c, GH_OP_BARRIER, 0, 0, -1, 0, rc));
 }
 
 /* ---- point to point ------------------------------------------------------- */
 
-DECLARE_REAL(MPI_Send);
 GH_EXPORT int MPI_Send(const void *buf, int count, MPI_Datatype datatype, int dest, int tag,
 		       MPI_Comm comm)
 {
-	__typeof__(&MPI_Send) real = REAL(MPI_Send);
-	struct gh_comm_info ci;
-	uint64_t t0, t1;
-	int rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(buf, count, datatype, dest, tag, comm);
-	gh_gate_call();
-	t0 = gh_now_ns();
-	rc = real(buf, count, datatype, dest, tag, comm);
-	t1 = gh_now_ns();
-	comm_info(comm, &ci);
-	rec(GH_OP_SEND, 0, t0, t1, type_bytes(datatype, count), &ci, dest, 0, rc);
-	gh_leave();
-	return rc;
+	MPI_OP(MPI_Send, (buf, count, datatype, dest, tag, comm), comm,
+	       op_record(&c, GH_OP_SEND, 0, type_bytes(datatype, count), dest, 0, rc));
 }
 
-DECLARE_REAL(MPI_Recv);
+/* The peer of a receive: the sender MPI matched, when any source would do. */
+static inline int32_t recv_peer(int source, const MPI_Status *status, int rc)
+{
+	if (source == MPI_ANY_SOURCE && status != MPI_STATUS_IGNORE && rc == MPI_SUCCESS)
+		return status->MPI_SOURCE;
+	return source;
+}
+
 GH_EXPORT int MPI_Recv(void *buf, int count, MPI_Datatype datatype, int source, int tag,
 		       MPI_Comm comm, MPI_Status *status)
 {
-	__typeof__(&MPI_Recv) real = REAL(MPI_Recv);
-	struct gh_comm_info ci;
-	uint64_t t0, t1;
-	int rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(buf, count, datatype, source, tag, comm, status);
-	gh_gate_call();
-	t0 = gh_now_ns();
-	rc = real(buf, count, datatype, source, tag, comm, status);
-	t1 = gh_now_ns();
-	comm_info(comm, &ci);
-	if (source == MPI_ANY_SOURCE && status != MPI_STATUS_IGNORE && rc == MPI_SUCCESS)
-		source = status->MPI_SOURCE;
-	rec(GH_OP_RECV, 0, t0, t1, type_bytes(datatype, count), &ci, source, 0, rc);
-	gh_leave();
-	return rc;
+	MPI_OP(MPI_Recv, (buf, count, datatype, source, tag, comm, status), comm,
+	       op_record(&c, GH_OP_RECV, 0, type_bytes(datatype, count),
+			 recv_peer(source, status, rc), 0, rc));
 }
 
-DECLARE_REAL(MPI_Sendrecv);
+/* One record: bytes sent, peer = destination (the receive side is symmetric). */
 GH_EXPORT int MPI_Sendrecv(const void *sendbuf, int sendcount, MPI_Datatype sendtype, int dest,
 			   int sendtag, void *recvbuf, int recvcount, MPI_Datatype recvtype,
 			   int source, int recvtag, MPI_Comm comm, MPI_Status *status)
 {
-	__typeof__(&MPI_Sendrecv) real = REAL(MPI_Sendrecv);
-	struct gh_comm_info ci;
-	uint64_t t0, t1;
-	int rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(sendbuf, sendcount, sendtype, dest, sendtag, recvbuf, recvcount,
-			    recvtype, source, recvtag, comm, status);
-	gh_gate_call();
-	t0 = gh_now_ns();
-	rc = real(sendbuf, sendcount, sendtype, dest, sendtag, recvbuf, recvcount, recvtype,
-		  source, recvtag, comm, status);
-	t1 = gh_now_ns();
-	comm_info(comm, &ci);
-	/* One record: bytes sent, peer = destination (the receive side is symmetric). */
-	rec(GH_OP_SENDRECV, 0, t0, t1, type_bytes(sendtype, sendcount), &ci, dest, 0, rc);
-	gh_leave();
-	return rc;
+	MPI_OP(MPI_Sendrecv, (sendbuf, sendcount, sendtype, dest, sendtag, recvbuf, recvcount,
+			      recvtype, source, recvtag, comm, status), comm,
+	       op_record(&c, GH_OP_SENDRECV, 0, type_bytes(sendtype, sendcount), dest, 0, rc));
 }
 
-DECLARE_REAL(MPI_Isend);
 GH_EXPORT int MPI_Isend(const void *buf, int count, MPI_Datatype datatype, int dest, int tag,
 			MPI_Comm comm, MPI_Request *request)
 {
-	__typeof__(&MPI_Isend) real = REAL(MPI_Isend);
-	struct gh_comm_info ci;
-	uint64_t t0, t1;
-	int rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(buf, count, datatype, dest, tag, comm, request);
-	gh_gate_call();
-	t0 = gh_now_ns();
-	rc = real(buf, count, datatype, dest, tag, comm, request);
-	t1 = gh_now_ns();
-	comm_info(comm, &ci);
-	rec(GH_OP_SEND, GH_F_ASYNC, t0, t1, type_bytes(datatype, count), &ci, dest,
-	    request ? (uint64_t)(uintptr_t)*request : 0, rc);
-	gh_leave();
-	return rc;
+	MPI_OP(MPI_Isend, (buf, count, datatype, dest, tag, comm, request), comm,
+	       op_record(&c, GH_OP_SEND, GH_F_ASYNC, type_bytes(datatype, count), dest,
+			 req_id(request), rc));
 }
 
-DECLARE_REAL(MPI_Irecv);
 GH_EXPORT int MPI_Irecv(void *buf, int count, MPI_Datatype datatype, int source, int tag,
 			MPI_Comm comm, MPI_Request *request)
 {
-	__typeof__(&MPI_Irecv) real = REAL(MPI_Irecv);
-	struct gh_comm_info ci;
-	uint64_t t0, t1;
-	int rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(buf, count, datatype, source, tag, comm, request);
-	gh_gate_call();
-	t0 = gh_now_ns();
-	rc = real(buf, count, datatype, source, tag, comm, request);
-	t1 = gh_now_ns();
-	comm_info(comm, &ci);
-	rec(GH_OP_RECV, GH_F_ASYNC, t0, t1, type_bytes(datatype, count), &ci, source,
-	    request ? (uint64_t)(uintptr_t)*request : 0, rc);
-	gh_leave();
-	return rc;
+	MPI_OP(MPI_Irecv, (buf, count, datatype, source, tag, comm, request), comm,
+	       op_record(&c, GH_OP_RECV, GH_F_ASYNC, type_bytes(datatype, count), source,
+			 req_id(request), rc));
 }
 
 /* ---- completion ----------------------------------------------------------- */
 
 static const struct gh_comm_info no_comm = { .comm_id = 0, .size = -1, .rank = -1 };
 
-DECLARE_REAL(MPI_Wait);
-GH_EXPORT int MPI_Wait(MPI_Request *request, MPI_Status *status)
-{
-	__typeof__(&MPI_Wait) real = REAL(MPI_Wait);
-	uint64_t t0, t1, req;
-	int rc;
+/* A completion call, with the requests it completes as they were before it. */
+struct wait {
+	uint64_t t0, t1;
+	int n;                         /* requests listed: 0 when there are too many */
+	uint64_t reqs[WAIT_TRACKED];
+};
 
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(request, status);
+/* Before the call: the pause gate, the requests' ids, then its start time. */
+static inline void wait_begin(struct wait *w, int count, const MPI_Request requests[])
+{
 	gh_gate();
-	req = request ? (uint64_t)(uintptr_t)*request : 0; /* the call resets it */
-	t0 = gh_now_ns();
-	rc = real(request, status);
-	t1 = gh_now_ns();
-	rec(GH_OP_WAIT, 0, t0, t1, 0, &no_comm, -1, req, rc);
-	gh_leave();
-	return rc;
+	w->n = count <= WAIT_TRACKED && requests ? count : 0;
+	for (int i = 0; i < w->n; i++)
+		w->reqs[i] = (uint64_t)(uintptr_t)requests[i];
+	w->t0 = gh_now_ns();
 }
 
-DECLARE_REAL(MPI_Waitall);
+/* The id of the i-th request, 0 if it was not listed. */
+static inline uint64_t wait_req(const struct wait *w, int i)
+{
+	return i >= 0 && i < w->n ? w->reqs[i] : 0;
+}
+
+static inline void wait_record(const struct wait *w, uint64_t req, int rc)
+{
+	rec(GH_OP_WAIT, 0, w->t0, w->t1, 0, &no_comm, -1, req, rc);
+}
+
+/*
+ * The body of a completion call fn of count requests (GH_INTERPOSE): timed,
+ * then `record`: statements that see the result as rc and the call as w.
+ */
+#define MPI_WAIT(fn, args, count, requests, record)				\
+	struct wait w;								\
+	GH_INTERPOSE(fn, args, MPI_ERR_INTERN, mpi_enter(),			\
+		     wait_begin(&w, count, requests), w.t1 = gh_now_ns(); record)
+
+GH_EXPORT int MPI_Wait(MPI_Request *request, MPI_Status *status)
+{
+	MPI_WAIT(MPI_Wait, (request, status), 1, request, wait_record(&w, wait_req(&w, 0), rc));
+}
+
+/* One record per request, or one for all when there are too many to list. */
+static void waitall_record(const struct wait *w, int count, int rc)
+{
+	if (w->n == 0 && count > 0)
+		wait_record(w, 0, rc);
+	for (int i = 0; i < w->n; i++)
+		wait_record(w, w->reqs[i], rc);
+}
+
 GH_EXPORT int MPI_Waitall(int count, MPI_Request array_of_requests[],
 			  MPI_Status array_of_statuses[])
 {
-	__typeof__(&MPI_Waitall) real = REAL(MPI_Waitall);
-	uint64_t t0, t1, reqs[WAIT_TRACKED];
-	int n, rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(count, array_of_requests, array_of_statuses);
-	gh_gate();
-	n = count <= WAIT_TRACKED && array_of_requests ? count : 0;
-	for (int i = 0; i < n; i++)
-		reqs[i] = (uint64_t)(uintptr_t)array_of_requests[i];
-	t0 = gh_now_ns();
-	rc = real(count, array_of_requests, array_of_statuses);
-	t1 = gh_now_ns();
-	if (n == 0 && count > 0) /* too many to list: one record for all */
-		rec(GH_OP_WAIT, 0, t0, t1, 0, &no_comm, -1, 0, rc);
-	for (int i = 0; i < n; i++)
-		rec(GH_OP_WAIT, 0, t0, t1, 0, &no_comm, -1, reqs[i], rc);
-	gh_leave();
-	return rc;
+	MPI_WAIT(MPI_Waitall, (count, array_of_requests, array_of_statuses), count,
+		 array_of_requests, waitall_record(&w, count, rc));
 }
 
-DECLARE_REAL(MPI_Waitany);
 GH_EXPORT int MPI_Waitany(int count, MPI_Request array_of_requests[], int *index,
 			  MPI_Status *status)
 {
-	__typeof__(&MPI_Waitany) real = REAL(MPI_Waitany);
-	uint64_t t0, t1, reqs[WAIT_TRACKED];
-	int n, rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(count, array_of_requests, index, status);
-	gh_gate();
-	n = count <= WAIT_TRACKED && array_of_requests ? count : 0;
-	for (int i = 0; i < n; i++)
-		reqs[i] = (uint64_t)(uintptr_t)array_of_requests[i];
-	t0 = gh_now_ns();
-	rc = real(count, array_of_requests, index, status);
-	t1 = gh_now_ns();
-	rec(GH_OP_WAIT, 0, t0, t1, 0, &no_comm, -1,
-	    index && *index >= 0 && *index < n ? reqs[*index] : 0, rc);
-	gh_leave();
-	return rc;
+	MPI_WAIT(MPI_Waitany, (count, array_of_requests, index, status), count, array_of_requests,
+		 wait_record(&w, index ? wait_req(&w, *index) : 0, rc));
 }
 
-DECLARE_REAL(MPI_Waitsome);
+/* One record per request completed. */
+static void waitsome_record(const struct wait *w, const int *outcount, const int indices[],
+			    int rc)
+{
+	if (!outcount || !indices || *outcount == MPI_UNDEFINED)
+		return;
+	for (int k = 0; k < *outcount; k++)
+		wait_record(w, wait_req(w, indices[k]), rc);
+}
+
 GH_EXPORT int MPI_Waitsome(int incount, MPI_Request array_of_requests[], int *outcount,
 			   int array_of_indices[], MPI_Status array_of_statuses[])
 {
-	__typeof__(&MPI_Waitsome) real = REAL(MPI_Waitsome);
-	uint64_t t0, t1, reqs[WAIT_TRACKED];
-	int n, rc;
-
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!mpi_enter())
-		return real(incount, array_of_requests, outcount, array_of_indices,
-			    array_of_statuses);
-	gh_gate();
-	n = incount <= WAIT_TRACKED && array_of_requests ? incount : 0;
-	for (int i = 0; i < n; i++)
-		reqs[i] = (uint64_t)(uintptr_t)array_of_requests[i];
-	t0 = gh_now_ns();
-	rc = real(incount, array_of_requests, outcount, array_of_indices, array_of_statuses);
-	t1 = gh_now_ns();
-	if (outcount && array_of_indices && *outcount != MPI_UNDEFINED) {
-		for (int k = 0; k < *outcount; k++) {
-			int i = array_of_indices[k];
-
-			rec(GH_OP_WAIT, 0, t0, t1, 0, &no_comm, -1, i >= 0 && i < n ? reqs[i] : 0, rc);
-		}
-	}
-	gh_leave();
-	return rc;
+	MPI_WAIT(MPI_Waitsome, (incount, array_of_requests, outcount, array_of_indices,
+				array_of_statuses), incount, array_of_requests,
+		 waitsome_record(&w, outcount, array_of_indices, rc));
 }
 
 /* ---- communicator lifetime ------------------------------------------------ */
 
-DECLARE_REAL(MPI_Comm_free);
 GH_EXPORT int MPI_Comm_free(MPI_Comm *comm)
 {
-	__typeof__(&MPI_Comm_free) real = REAL(MPI_Comm_free);
-	struct gh_comm_info ci;
-	uint64_t handle, now;
-	int known, rc;
+	struct gh_comm_end e;
 
-	if (GH_UNLIKELY(!real))
-		return MPI_ERR_INTERN;
-	if (!comm || !mpi_enter())
-		return real(comm);
-	handle = handle_of(*comm);
-	known = gh_comm_lookup(GH_SRC_MPI, handle, &ci);
-	rc = real(comm);
-	if (known && rc == MPI_SUCCESS) {
-		/* The handle may be reused for another communicator: forget it. */
-		gh_comm_remove(GH_SRC_MPI, handle);
-		gh_comm_retire(ci.comm_id);
-		now = gh_now_ns(); /* one reading: start == end, never end < start */
-		gh_record(GH_OP_COMM_DESTROY, GH_SRC_MPI, ci.flags, now, now, 0,
-			  ci.comm_id, ci.rank, 0, rc);
-	}
-	gh_leave();
-	return rc;
+	GH_INTERPOSE(MPI_Comm_free, (comm), MPI_ERR_INTERN, comm && mpi_enter(),
+		     gh_comm_end_begin(&e, GH_SRC_MPI, handle_of(*comm)),
+		     gh_comm_end_done(&e, rc == MPI_SUCCESS, rc));
 }
