@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+STUDY_TRACES = REPO / "tests" / "assets" / "straggleranalysis"
+"""The What-if study's three sample traces and its analyzer's results (README.md there)."""
 PREFIX = Path(os.environ.get("GREYHOUND_PREFIX", "/usr/local"))
 
 

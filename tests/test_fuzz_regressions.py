@@ -22,12 +22,11 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from conftest import STUDY_TRACES
 from greyhound.cli import main
 
 FUZZ = Path(__file__).resolve().parent / "data" / "fuzz"
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "straggleranalysis"
 SCRIPT = Path(sys.executable).parent / "greyhound"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"study data not at {DATA}")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -238,7 +237,6 @@ def test_stage_whose_ops_are_in_too_few_steps_is_one_line(tmp_path):
     assert_one_line_error(cli("postmortem", path), "pipeline stage(s) 2 have no op that recurs in most steps")
 
 
-@needs_data
 @pytest.mark.parametrize(
     "meta, message",
     [
@@ -252,18 +250,17 @@ def test_stage_whose_ops_are_in_too_few_steps_is_one_line(tmp_path):
 def test_parquet_bad_meta_is_one_line(tmp_path, meta, message):
     path = tmp_path / "meta.yaml"
     path.write_bytes(meta if isinstance(meta, bytes) else meta.encode())
-    assert_one_line_error(cli("postmortem", "--meta", path, DATA / "trace-ST.parquet"), message)
+    assert_one_line_error(cli("postmortem", "--meta", path, STUDY_TRACES / "trace-ST.parquet"), message)
 
 
-@needs_data
 def test_parquet_rank_outside_int16_is_refused_not_wrapped(tmp_path):
     """Before: a dp_rank of 65536 became 0 (astype int16) and its ops landed on replica 0."""
-    table = pq.read_table(DATA / "trace-ST.parquet")
+    table = pq.read_table(STUDY_TRACES / "trace-ST.parquet")
     dp = table.column("dp_rank").to_numpy().astype(np.int64)
     dp[dp == 1] = 65537
     table = table.set_column(table.column_names.index("dp_rank"), "dp_rank", pa.array(dp))
     pq.write_table(table, tmp_path / "trace-X.parquet")
-    shutil.copy(DATA / "meta-ST.yaml", tmp_path / "meta-X.yaml")
+    shutil.copy(STUDY_TRACES / "meta-ST.yaml", tmp_path / "meta-X.yaml")
     assert_one_line_error(cli("postmortem", tmp_path / "trace-X.parquet"), "column 'dp_rank' holds 65537")
 
 

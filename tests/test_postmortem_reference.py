@@ -1,26 +1,23 @@
 """The What-if study's three real traces against its analyzer's reference results."""
 
 import json
-from pathlib import Path
 
 import pytest
 
+from conftest import STUDY_TRACES
 from postmortem.attribution import attribute
 from postmortem.model import build_model
 from postmortem.whatif_import import read_whatif_trace
-
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "straggleranalysis"
-pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=f"reference traces not found at {DATA}")
 
 _cache: dict = {}
 
 
 def _load(name: str):
     if name not in _cache:
-        model = build_model(read_whatif_trace(DATA / f"trace-{name}.parquet"))
-        ref = json.loads((DATA / f"result-{name}.json").read_text())
-        ms = json.loads((DATA / f"ms-{name}.json").read_text())["Ms"]
-        mw = json.loads((DATA / f"mw-{name}.json").read_text())["Mw"]
+        model = build_model(read_whatif_trace(STUDY_TRACES / f"trace-{name}.parquet"))
+        ref = json.loads((STUDY_TRACES / f"result-{name}.json").read_text())
+        ms = json.loads((STUDY_TRACES / f"ms-{name}.json").read_text())["Ms"]
+        mw = json.loads((STUDY_TRACES / f"mw-{name}.json").read_text())["Mw"]
         _cache[name] = (model, ref, ms, mw, {e: attribute(model, estimator=e) for e in ("mean", "robust")})
     return _cache[name]
 

@@ -3,20 +3,18 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
+from conftest import STUDY_TRACES
 from greyhound.errors import InputError
 from postmortem.analysis import analyze
 from postmortem.generate import SyntheticJob, generate
 from postmortem.model import build_model
 from postmortem.schema import OPTYPES, SCHEMA_VERSION, TraceMeta, optype_code, read_trace, write_trace
 from postmortem.whatif_import import load_any
-
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "straggleranalysis"
 
 
 def _write(tmp_path, trace, name="t.h5", **ops_override):
@@ -101,19 +99,17 @@ def test_unmatched_p2p(tmp_path):
         build_model(type(trace)(meta=trace.meta, ops=ops, workers=trace.workers, path="x"))
 
 
-@pytest.mark.skipif(not DATA.is_dir(), reason=f"reference traces not found at {DATA}")
 def test_parquet_import():
-    t = load_any(DATA / "trace-ST.parquet")
+    t = load_any(STUDY_TRACES / "trace-ST.parquet")
     assert (t.meta.dp, t.meta.pp, t.meta.num_microbatches) == (2, 4, 8)
     assert t.num_ops == 6784
     fs = t.ops["optype"] == optype_code("forward-send")
     assert t.ops["microbatch"][fs].max() == 3  # seq_id became the micro-batch
 
 
-@pytest.mark.skipif(not DATA.is_dir(), reason=f"reference traces not found at {DATA}")
 def test_parquet_missing_meta(tmp_path):
     target = tmp_path / "trace-Q.parquet"
-    target.write_bytes((DATA / "trace-ST.parquet").read_bytes())
+    target.write_bytes((STUDY_TRACES / "trace-ST.parquet").read_bytes())
     with pytest.raises(InputError, match="no such meta file"):
         load_any(target)
     (tmp_path / "meta-Q.yaml").write_text("dp_size: two\npp_size: 4\n")

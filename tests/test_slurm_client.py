@@ -10,8 +10,8 @@ import sys
 import types
 
 import pytest
-from conftest import require
 
+from conftest import require
 from greyhound import slurm_client
 from greyhound.errors import InputError, SlurmError
 from greyhound.slurm_client import (COMMENT_MAX_LEN, CommandLineClient, PySlurmClient, check_job_id,
