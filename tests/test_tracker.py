@@ -579,3 +579,23 @@ def test_fail_slow_in_a_generated_hybrid_trace():
     tracker2.feed(ring_records(trace)[: 51 * 110 + 120])
     assert tracker2.current_slow_interval is not None
     assert tracker2.current_slow_interval.start_index == interval.start_index
+
+
+@pytest.mark.parametrize("history_calls", [1 << 17, 700])
+def test_arrivals_of_a_range_equal_the_rows_of_that_range(history_calls):
+    # arrivals(first, last) starts at the first call of `first` instead of building
+    # every kept row: the same rows as filtering all of them, with a window that is
+    # all kept and one that begins before the oldest kept call.
+    from greyhound.analytics.tracker import TrackerConfig
+
+    x = np.r_[np.full(120, 0.2), np.full(60, 0.3), np.full(60, 0.2)]
+    records = _records(x, seed=3)
+    tracker = RankTracker(rank=0, config=TrackerConfig(history_calls=history_calls))
+    _feed_in_batches(tracker, records, np.random.default_rng(4))
+    everything = tracker.arrivals()
+    n = tracker.num_iterations
+    assert n > 200
+    for first, last in [(n - 10, n - 1), (n - 1, n - 1), (0, n - 1), (5, 40)]:
+        it = everything["iteration"]
+        want = everything[(it >= first) & (it <= last) & (it >= 0)]
+        np.testing.assert_array_equal(tracker.arrivals(first, last), want)

@@ -57,12 +57,12 @@ from greyhound.analytics.detect import Detection
 from greyhound.analytics.intervals import SlowInterval, healthy_level, slow_intervals
 from greyhound.analytics.period import ClockConfig, IterationClock, Segment
 from greyhound.analytics.verify import BocdV, VerifyConfig
-from greyhound.ring import CALL_OPS, F_ASYNC, F_DEVICE_TIMED, OP
+from greyhound.ring import F_ASYNC, F_DEVICE_TIMED, IS_CALL, OP, op_mask
 
 __all__ = ["TrackerConfig", "TrackerUpdate", "RankTracker", "ARRIVAL_DTYPE", "COMM_TIME_DTYPE"]
 
 _WAIT, _DONE = OP["Wait"], OP["Done"]
-_CALL_OPS = np.array(sorted(CALL_OPS), dtype=np.uint16)
+_IS_WAIT_OR_DONE = op_mask((_WAIT, _DONE))
 _NEEDED = ("seq", "t_start_ns", "t_end_ns", "size_bytes", "comm_id", "req_id", "op", "flags")
 
 ARRIVAL_DTYPE = np.dtype([
@@ -196,7 +196,7 @@ class RankTracker:
         self.reported_lost += int(lost)
         self.num_records += len(records)
         gap = self._count_gaps(records["seq"].astype(np.int64))
-        is_call = np.isin(records["op"], _CALL_OPS)
+        is_call = IS_CALL[records["op"]]
         calls = records[is_call]
         first_new = self._clock.num_calls
         if gap:
@@ -314,7 +314,7 @@ class RankTracker:
         table = self._table
         if not len(others) or not len(table):
             return
-        for rec in others[np.isin(others["op"], [_WAIT, _DONE])]:
+        for rec in others[_IS_WAIT_OR_DONE[others["op"]]]:
             if rec["op"] == _WAIT:
                 index = self._async.pop(int(rec["req_id"]), None)
                 row = table.row(index) if index is not None else None
@@ -343,6 +343,11 @@ class RankTracker:
         records (at most :attr:`lost_records`).
         """
         calls = self._table.rows
+        start = None if first_iteration is None else self._clock.iteration_start_call(first_iteration)
+        if start is not None:
+            # Calls are numbered consecutively: the iterations asked for begin at row
+            # ``start - first index`` (the agent asks for the last few of 10^5 kept).
+            calls = calls[max(0, start - self._table.first_index):]
         out = np.zeros(len(calls), dtype=ARRIVAL_DTYPE)
         iteration, position = self._iterations_of(calls["index"])
         out["iteration"] = iteration
@@ -502,7 +507,10 @@ class _CallTable:
 
     def __init__(self, capacity: int) -> None:
         self._cap = capacity
-        self._buf = np.zeros(min(2 * capacity, 4096), dtype=_CALL_TABLE)
+        # Twice the capacity, allocated once: np.zeros maps zero pages that are only
+        # touched as rows arrive, and a full buffer is compacted in place (one copy
+        # of ``capacity`` rows every ``capacity`` calls) instead of regrown.
+        self._buf = np.zeros(2 * capacity, dtype=_CALL_TABLE)
         self._lo = 0
         self._hi = 0
 
@@ -529,11 +537,9 @@ class _CallTable:
         rows = rows[-self._cap :]
         k = len(rows)
         if self._hi + k > len(self._buf):
-            keep = self._buf[max(self._lo, self._hi - (self._cap - k)) : self._hi]
-            size = max(len(self._buf), min(2 * self._cap, 2 * (len(keep) + k)), len(keep) + k)
-            buf = np.zeros(size, dtype=_CALL_TABLE)
-            buf[: len(keep)] = keep
-            self._buf, self._lo, self._hi = buf, 0, len(keep)
+            keep = self._buf[max(self._lo, self._hi - (self._cap - k)) : self._hi].copy()
+            self._buf[: len(keep)] = keep
+            self._lo, self._hi = 0, len(keep)
         self._buf[self._hi : self._hi + k] = rows
         self._hi += k
         if self._hi - self._lo > self._cap:

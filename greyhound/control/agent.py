@@ -33,7 +33,7 @@ import numpy as np
 from greyhound.analytics.tracker import RankTracker
 from greyhound.control import store
 from greyhound.control.validate import RankClock
-from greyhound.ring import CALL_OPS, OP, OP_NAMES, RingError, RingReader, ring_paths
+from greyhound.ring import CALL_OPS, OP, OP_NAMES, RingError, RingReader, op_mask, ring_paths
 
 log = logging.getLogger(__name__)
 
@@ -84,15 +84,15 @@ class _Process:
 
 BUSY_POLLS = 10
 """Polls the compute share covers (5 s at the default poll)."""
-_BLOCKING = np.array(sorted(CALL_OPS | {OP["Wait"]}), dtype=np.uint16)
-_COLLECTIVE = np.array([OP[n] for n in ("AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce",
-                                        "Barrier")], dtype=np.uint16)
+_IS_BLOCKING = op_mask(CALL_OPS | {OP["Wait"]})
+_IS_COLLECTIVE = op_mask(OP[n] for n in ("AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce",
+                                         "Barrier"))
 
 
 def blocked_seconds(records: np.ndarray) -> float:
     """Seconds the process spent inside communication calls and waits among records
     (an async call's record is its enqueue; its wait is timed by its Wait record)."""
-    inside = records[np.isin(records["op"], _BLOCKING)]
+    inside = records[_IS_BLOCKING[records["op"]]]
     if not len(inside):
         return 0.0
     return float((inside["t_end_ns"].astype(np.int64) - inside["t_start_ns"].astype(np.int64)).clip(min=0).sum()) / 1e9
@@ -199,7 +199,7 @@ class NodeAgent:
         rows = tracker.arrivals(n - 1, n - 1)
         if not len(rows):
             return None
-        collective = rows[np.isin(rows["op"], _COLLECTIVE)]
+        collective = rows[_IS_COLLECTIVE[rows["op"]]]
         cut = collective[np.argmax(collective["position"])] if len(collective) else rows[np.argmin(rows["position"])]
         # A collective ends at the same moment on all its members, however early each
         # entered it (a replica ahead waits inside): its end is the step's time.
