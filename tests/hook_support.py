@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require
+
 ROOT = Path(__file__).resolve().parent.parent
 SPANK = ROOT / "spank"
 HOOK_DIR = SPANK / "hook"
@@ -113,8 +115,7 @@ def base_env(run_dir: Path | None, hook: Path | None = None, **extra: str) -> di
 def mpirun_cmd(np_: int, args: list[str], env: dict[str, str]) -> list[str]:
     """The mpirun command line for args on np_ ranks, forwarding the greyhound and
     preload variables."""
-    if shutil.which("mpirun") is None:
-        pytest.skip("mpirun (Open MPI) is not installed")
+    require(None if shutil.which("mpirun") else "mpirun (Open MPI) is not installed: run scripts/setup")
     fwd = []
     for k in env:
         if k.startswith("GREYHOUND_") or k in ("LD_PRELOAD", "PYTHONPATH", "ASAN_OPTIONS",

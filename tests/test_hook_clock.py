@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import require
 from greyhound.ring import HOOK_TSC, OP, RingReader
 from hook_support import ROOT, base_env, build_dir, hook_lib, mpirun
 
@@ -41,8 +42,7 @@ def tsc_expected() -> bool | None:
 
 @pytest.fixture(scope="module")
 def clock_prog() -> Path:
-    if shutil.which("mpicc") is None:
-        pytest.skip("mpicc (Open MPI) is not installed")
+    require(None if shutil.which("mpicc") else "mpicc (Open MPI) is not installed: run scripts/setup")
     exe = build_dir() / "mpi_clock"
     subprocess.run(["mpicc", "-O1", "-g", "-o", str(exe),
                     str(ROOT / "tests" / "hook_progs" / "mpi_clock.c")], check=True)
