@@ -93,11 +93,12 @@ def read_event_log(run_dir: str | os.PathLike, *, max_bytes: int = MAX_LOG_BYTES
         if not stat.S_ISREG(st.st_mode):
             raise InputError(f"{path}: cannot read the event log: not a regular file")
         skip = max(0, st.st_size - max_bytes)
+        want = max_bytes + (1 if skip else 0)   # and the byte before the tail: does a line end there?
         chunks, size = [], 0
         try:
-            os.lseek(fd, skip, os.SEEK_SET)
-            while size < max_bytes:
-                chunk = os.read(fd, min(1 << 20, max_bytes - size))
+            os.lseek(fd, skip - 1 if skip else 0, os.SEEK_SET)
+            while size < want:
+                chunk = os.read(fd, min(1 << 20, want - size))
                 if not chunk:
                     break
                 chunks.append(chunk)
@@ -107,9 +108,9 @@ def read_event_log(run_dir: str | os.PathLike, *, max_bytes: int = MAX_LOG_BYTES
     finally:
         os.close(fd)
     data = b"".join(chunks)
-    if skip:  # the tail starts inside a line, unless a line ended right before it
+    if skip:  # the tail starts after the first line end at or after its first byte - 1
         cut = data.find(b"\n") + 1
-        skip, data = skip + cut, data[cut:]
+        skip, data = skip - 1 + cut, data[cut:]
     events, skipped = [], 0
     for line in data.split(b"\n"):
         if not line.strip():
