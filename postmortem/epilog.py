@@ -384,7 +384,7 @@ def analyze_job(job_id: str, rundir: Path) -> str | None:
         result = analyze(load_any(trace_path))
         out = report_dir_for(run_dir, options, job_id)
         _make_private_dir(out)
-        page = write_report(result, out)
+        page = write_report(result, out, run_dir=run_dir)  # its events.jsonl: the online control plane's events
         summary = summary_line(result, str(page))
     except GreyhoundError as exc:
         summary = f"greyhound: no post-mortem: {exc}"

@@ -21,6 +21,7 @@ from greyhound.errors import OutputError
 from postmortem.analysis import Result, summary_line
 from postmortem.idealize import __doc__ as IDEAL_DOC
 from postmortem.model import optype_label
+from postmortem.online_events import MARKER_STYLE, MAX_MARKERS, OnlineEvents, load_online_events
 from postmortem.simulate import simulate
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,12 @@ REPORT_FILES = ("postmortem.json", "heatmap.png", "step_slowdown.png", "timeline
 """What :func:`write_report` writes into its directory."""
 
 
-def write_report(result: Result, out_dir: str | os.PathLike) -> Path:
+def write_report(result: Result, out_dir: str | os.PathLike, *, run_dir: str | os.PathLike | None = None) -> Path:
     """Write the report into ``out_dir`` (created); returns the HTML path.
+
+    ``run_dir``, the job's run dir, holds the online control plane's event log: the
+    report lists its events and marks them on the per-step plot (see
+    :mod:`postmortem.online_events`); without it the report says there is none.
 
     All or nothing: every file is first written (with :func:`write_atomic`) into a
     fresh directory of an unpredictable name beside ``out_dir``, and moved into place
@@ -47,6 +52,7 @@ def write_report(result: Result, out_dir: str | os.PathLike) -> Path:
             ``out_dir`` is a symlink).
     """
     out = Path(out_dir)
+    online = load_online_events(run_dir, result.trace, analysed_steps=result.model.steps)
 
     def fail(exc: OSError) -> OutputError:
         return OutputError(f"{out}: cannot write the report: {exc.strerror or exc}")
@@ -75,9 +81,10 @@ def write_report(result: Result, out_dir: str | os.PathLike) -> Path:
         stage = out.parent / stage_name
         page = out / "report.html"
         data = result.to_json()
+        data["events"], data["events_note"] = online.to_json(), online.note
         write_atomic(stage / "postmortem.json", json.dumps(data, indent=2), mode=0o644)
         _heatmap_png(result, stage / "heatmap.png")
-        _steps_png(result, stage / "step_slowdown.png")
+        _steps_png(result, stage / "step_slowdown.png", online)
         write_atomic(stage / "timeline.trace.json", json.dumps(chrome_trace(result)), mode=0o644)
         write_atomic(stage / "report.html", _html(result, data, summary_line(result, str(page))), mode=0o644)
         if out_fd is None:  # the whole directory at once
@@ -134,7 +141,7 @@ def _heatmap_png(result: Result, path: Path) -> None:
     plt.close(fig)
 
 
-def _steps_png(result: Result, path: Path) -> None:
+def _steps_png(result: Result, path: Path, online: OnlineEvents | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,11 +156,47 @@ def _steps_png(result: Result, path: Path) -> None:
     ax.set_xticklabels([str(int(s)) for s in m.steps[:: max(1, x.size // 12)]])
     ax.set_xlabel("step")
     ax.set_ylabel("slowdown")
-    ax.legend()
+    if online is not None and mark_events(ax, online):  # the legend beside the plot, not over it
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend()
     fig.tight_layout()
     with atomic_file(path, mode=0o644) as f:
         fig.savefig(f, dpi=90, format="png")
     plt.close(fig)
+
+
+def mark_events(ax, online: OnlineEvents) -> int:
+    """Vertical lines on the per-step plot at the events that have a marker (at most
+    MAX_MARKERS of each kind), one legend entry per kind: detection, verdict, pause,
+    recovery; returns how many were drawn."""
+    drawn: dict[str, int] = {}
+    for p in online.placed:
+        if p.marker is None or p.plot_x is None or drawn.get(p.marker, 0) >= MAX_MARKERS:
+            continue
+        colour, style = MARKER_STYLE[p.marker]
+        ax.axvline(p.plot_x, color=colour, ls=style, lw=1.2, gid=f"event:{p.marker}",
+                   label=p.marker if p.marker not in drawn else None)
+        drawn[p.marker] = drawn.get(p.marker, 0) + 1
+    return sum(drawn.values())
+
+
+MAX_EVENT_ROWS = 500
+"""Most events the HTML table lists (postmortem.json has them all)."""
+
+
+def _events_html(data: dict) -> str:
+    """The event section: the note, then a table (time, step, kind, what happened)."""
+    events = data.get("events") or []
+    note = f"<p>{html.escape(data.get('events_note', ''))}</p>"
+    if not events:
+        return note
+    rows = [(f"{e['since_start_s']:.1f}", e["step_text"], e["kind"], e["summary"]) for e in events[:MAX_EVENT_ROWS]]
+    more = (f"<p>{len(events) - MAX_EVENT_ROWS} more events in postmortem.json.</p>"
+            if len(events) > MAX_EVENT_ROWS else "")
+    return (note + "<p>Time in seconds from the job's first record; the step running then "
+            "(~: between two traced steps, from their times).</p>"
+            + _table(rows, ("time (s)", "step", "event", "what happened")) + more)
 
 
 def chrome_trace(result: Result) -> dict:
@@ -236,6 +279,7 @@ idealised {a.t_ideal:.4f} s</li>
 <h2>Causes</h2><ul>{causes}</ul>
 <h2>Heatmap</h2><img src="heatmap.png" alt="DP x PP heatmap">
 <h2>Per-step slowdown</h2><img src="step_slowdown.png" alt="per-step slowdown">
+<h2>Online control plane</h2>{_events_html(data)}
 <h2>Per op type (S_t)</h2>{optypes}
 <h2>Per DP rank and PP rank (S_w)</h2><div style="display:flex;gap:2em">{dps}{pps}</div>
 <h2>Timeline</h2><p>timeline.trace.json: the first analysed step, real and idealised; open it in

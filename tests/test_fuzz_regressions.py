@@ -289,7 +289,7 @@ def test_report_writing_is_all_or_nothing(tmp_path, monkeypatch):
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert set(before) == set(report.REPORT_FILES)
 
-    def no_space(result, path):
+    def no_space(*_args):  # (result, path, online events)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(report, "_steps_png", no_space)
