@@ -14,8 +14,9 @@
  * Same numbers as the reference: every expression is evaluated in the reference's
  * order with the same libm functions numpy uses for float64 (exp, log, log1p; numpy
  * calls libm for them where the CPU has no AVX-512), sums are numpy's (a 0.0 start
- * plus its 8-accumulator pairwise sum), medians are exact order statistics, and the
- * constants and the gammaln table come from the Python side (scipy). On such a CPU
+ * plus its 8-accumulator pairwise sum), medians are exact order statistics, and every
+ * derived constant (bocd.derived_constants, VerifyConfig.values_capacity) and the
+ * gammaln table (bocd.gamma_ratio_table, scipy) come from the Python side. On such a CPU
  * the posterior is bit-identical to the reference; elsewhere it agrees to rounding.
  * Compile without -ffast-math and with -ffp-contract=off so that stays true.
  *
@@ -100,9 +101,11 @@ static int have_mvec;
 
 typedef struct {
     PyObject_HEAD
-    /* BOCD constants, computed by the wrapper exactly as RunLengthPosterior does. */
+    /* BOCD constants: greyhound.analytics.bocd.derived_constants, as RunLengthPosterior
+     * uses them; nothing is derived here. */
     double log_h, log_1mh, log_eps, log_1m_eps, logpred0_base, prune_factor;
-    double kappa0, alpha0, noise_default, noise_floor, clip, threshold;
+    double kappa_first, alpha_first, mad_per_sigma;
+    double alpha0, noise_default, noise_floor, clip, threshold;
     Py_ssize_t max_hyp, noise_window, noise_min_samples;
     /* Verification constants (VerifyConfig). */
     double min_change, keep_prob, max_visited;
@@ -360,7 +363,7 @@ estimate_noise(Kernel *k)
 {
     memcpy(k->scratch, k->diffs, (size_t)k->diffs_len * sizeof(double));
     double mad = median(k->scratch, k->diffs_len);
-    double sigma = mad / (0.6745 * sqrt(2.0));
+    double sigma = mad / k->mad_per_sigma;
     return k->noise_floor >= sigma ? k->noise_floor : sigma;
 }
 
@@ -450,9 +453,9 @@ posterior_update(Kernel *k, double y)
     } else {
         k->size = r + 1;
     }
-    k->kappa[slot] = k->kappa0 + 1.0;
+    k->kappa[slot] = k->kappa_first;
     k->mu[slot] = y;
-    k->alpha[slot] = k->alpha0 + 0.5;
+    k->alpha[slot] = k->alpha_first;
     k->beta[slot] = 0.0;
     k->logp[slot] = k->log_h + logpred0;
     k->starts[slot] = t;
@@ -736,31 +739,34 @@ Kernel_init(Kernel *k, PyObject *args, PyObject *kw)
 {
     static char *names[] = {
         "log_h", "log_1mh", "log_eps", "log_1m_eps", "logpred0_base", "prune_factor",
-        "kappa0", "alpha0", "noise_default", "noise_floor", "clip", "threshold",
+        "kappa_first", "alpha_first", "mad_per_sigma",
+        "alpha0", "noise_default", "noise_floor", "clip", "threshold",
         "max_hypotheses", "noise_window", "noise_min_samples",
         "min_change", "keep_prob", "min_after", "max_pending", "before_window",
         "creep_window", "creep_every", "hold_newest", "min_before", "max_visited",
-        "lg_table", "exact_math", NULL,
+        "values_capacity", "lg_table", "exact_math", NULL,
     };
     long long min_after, max_pending, before_window, creep_window, creep_every;
-    long long hold_newest, min_before;
+    long long hold_newest, min_before, values_capacity;
     PyObject *lg_func;
     if (k->starts != NULL) {
         PyErr_SetString(PyExc_TypeError, "greyhound: bocdv kernel: already initialised");
         return -1;
     }
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "ddddddddddddnnnddLLLLLLLdO|p:Kernel", names, &k->log_h, &k->log_1mh,
-            &k->log_eps, &k->log_1m_eps, &k->logpred0_base, &k->prune_factor, &k->kappa0,
-            &k->alpha0, &k->noise_default, &k->noise_floor, &k->clip, &k->threshold,
-            &k->max_hyp, &k->noise_window, &k->noise_min_samples, &k->min_change,
-            &k->keep_prob, &min_after, &max_pending, &before_window, &creep_window,
-            &creep_every, &hold_newest, &min_before, &k->max_visited, &lg_func,
+            args, kw, "ddddddddddddddnnnddLLLLLLLdLO|p:Kernel", names, &k->log_h,
+            &k->log_1mh, &k->log_eps, &k->log_1m_eps, &k->logpred0_base, &k->prune_factor,
+            &k->kappa_first, &k->alpha_first, &k->mad_per_sigma, &k->alpha0,
+            &k->noise_default, &k->noise_floor, &k->clip, &k->threshold, &k->max_hyp,
+            &k->noise_window, &k->noise_min_samples, &k->min_change, &k->keep_prob,
+            &min_after, &max_pending, &before_window, &creep_window, &creep_every,
+            &hold_newest, &min_before, &k->max_visited, &values_capacity, &lg_func,
             &k->exact_math))
         return -1;
     if (k->max_hyp < 1 || k->noise_window < 1 || k->noise_min_samples < 1 || min_after < 1
         || max_pending < min_after || before_window < 1 || creep_window < 1
         || creep_every < 1 || hold_newest < 1 || min_before < 1
+        || values_capacity < 1
         || !(k->max_visited > 0.0 && k->max_visited <= 1.0) || !PyCallable_Check(lg_func)) {
         PyErr_SetString(PyExc_ValueError,
                         "greyhound: bocdv kernel: counts must be >= 1, max_visited in (0, 1] "
@@ -777,7 +783,7 @@ Kernel_init(Kernel *k, PyObject *args, PyObject *kw)
     Py_INCREF(lg_func);
     k->lg_func = lg_func;
     Py_ssize_t cap = k->max_hyp + 1;
-    k->vcap = 2 * before_window + 2 * max_pending + 2;
+    k->vcap = values_capacity;
     k->scratch_len = cap > k->vcap ? cap : (Py_ssize_t)k->vcap;
     if (k->noise_window > k->scratch_len)
         k->scratch_len = k->noise_window;

@@ -1,4 +1,7 @@
-"""The paper's two detection baselines: a sliding-window median and plain BOCD."""
+"""The paper's two detection baselines: a sliding-window median and plain BOCD.
+
+Both are :class:`~greyhound.analytics.changepoint.Detector` s, as BOCD+V is.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +10,11 @@ import math
 import numpy as np
 
 from greyhound.analytics.bocd import BocdConfig, RunLengthPosterior
-from greyhound.analytics.changepoint import ChangePoint, RecentValues, level_ratio
-from greyhound.analytics.verify import check_series
+from greyhound.analytics.changepoint import (
+    ChangePoint, PointwiseFeed, RecentValues, check_series, check_value, level_ratio,
+)
 
-__all__ = ["PlainBocd", "bocd_changepoints", "window_changepoints"]
+__all__ = ["PlainBocd", "WindowDetector", "bocd_changepoints", "window_changepoints"]
 
 # Plain BOCD reports "before" over this many iterations, like BOCD+V's default.
 _BEFORE_WINDOW = 50
@@ -18,7 +22,7 @@ _BEFORE_WINDOW = 50
 _MAX_AGE = 12
 
 
-class PlainBocd:
+class PlainBocd(PointwiseFeed):
     """Online BOCD without verification: every flagged change is reported."""
 
     def __init__(self, *, bocd: BocdConfig | None = None) -> None:
@@ -30,8 +34,7 @@ class PlainBocd:
 
     def update(self, x: float) -> ChangePoint | None:
         """Add the next iteration time (seconds, > 0); returns a flagged change point."""
-        if not (x > 0 and math.isfinite(x)):
-            raise ValueError(f"iteration time must be finite and > 0, got {x!r}")
+        check_value(x)
         post = self._posterior
         self._values.append(x)
         post.update(math.log(x))
@@ -60,27 +63,78 @@ def bocd_changepoints(x: np.ndarray, *, bocd: BocdConfig | None = None) -> list[
     Returns:
         Every flagged change point, in order.
     """
-    detector = PlainBocd(bocd=bocd)
-    out = []
-    for value in check_series(x).tolist():
-        cp = detector.update(value)
-        if cp is not None:
-            out.append(cp)
-    return out
+    return PlainBocd(bocd=bocd).feed(x)
 
 
-def window_changepoints(
-    x: np.ndarray, *, window: int = 20, band: float = 0.10
-) -> list[ChangePoint]:
-    """The sliding-window baseline: report when the window median leaves a 10% band.
+class WindowDetector:
+    """The sliding-window baseline, online: report when the window median leaves a band.
 
     The reference level is the median of the first full window of the current regime.
     At iteration t the median of the last ``window`` iterations is compared with it; if
     they differ by more than ``band`` a change is reported with index
     ``t - (window - 1) // 2`` (a running median turns when half the window is new),
-    its new level the median from there to t. The new
-    regime's reference is its first full window, so no change is reported until then.
-    O(n * window).
+    its new level the median from there to t. The new regime's reference is its first
+    full window, so no change is reported until then. O(window) per iteration; a batch
+    takes its window medians in one vectorised pass.
+
+    Args:
+        window: iterations per median, >= 1.
+        band: relative change that counts, in (0, 1).
+    """
+
+    def __init__(self, *, window: int = 20, band: float = 0.10) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window!r}")
+        if not 0.0 < band < 1.0:
+            raise ValueError(f"band must be in (0, 1), got {band!r}")
+        self.window = window
+        self.band = band
+        self._values = RecentValues(window)
+        self._regime_start = 0
+        self._reference: float | None = None
+
+    def update(self, x: float) -> ChangePoint | None:
+        """Add the next iteration time (seconds, > 0); returns a reported change point."""
+        check_value(x)
+        cps = self.feed(np.array([x]))
+        return cps[0] if cps else None
+
+    def feed(self, xs: np.ndarray) -> list[ChangePoint]:
+        """Add the next (n,) iteration times; returns the change points reported meanwhile."""
+        xs = check_series(xs)
+        w, count = self.window, self._values.count
+        # The kept tail (fewer than `window` values) and the batch: every full window
+        # in it ends in the batch, so none is judged twice.
+        first = max(0, count - (w - 1))
+        values = np.concatenate((self._values.window(first, count), xs))
+        for x in xs.tolist():
+            self._values.append(x)
+        if len(values) < w:
+            return []
+        medians = np.median(np.lib.stride_tricks.sliding_window_view(values, w), axis=1)
+        out = []
+        # medians[j] covers values[j : j + w], i.e. iterations [k, t] with k = first + j.
+        for j, level in enumerate(medians.tolist()):
+            k = first + j
+            if k < self._regime_start:
+                continue
+            if self._reference is None:
+                self._reference = level
+                continue
+            if abs(level / self._reference - 1.0) > self.band:
+                t = k + w - 1
+                index = max(t - (w - 1) // 2, self._regime_start + 1)
+                after = float(np.median(values[index - first : t + 1 - first]))
+                out.append(ChangePoint(index=index, detected_at=t, before=self._reference,
+                                       after=after))
+                self._regime_start, self._reference = index, None
+        return out
+
+
+def window_changepoints(
+    x: np.ndarray, *, window: int = 20, band: float = 0.10
+) -> list[ChangePoint]:
+    """The sliding-window baseline over a whole series (:class:`WindowDetector`).
 
     Args:
         x: (n,) iteration times in seconds, finite and > 0.
@@ -91,29 +145,4 @@ def window_changepoints(
         Reported change points, in order.
     """
     x = check_series(x)
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window!r}")
-    if not 0.0 < band < 1.0:
-        raise ValueError(f"band must be in (0, 1), got {band!r}")
-    n = len(x)
-    if n < window:
-        return []
-    medians = np.median(np.lib.stride_tricks.sliding_window_view(x, window), axis=1)
-    # medians[k] covers x[k : k + window]; it is known at t = k + window - 1.
-    out: list[ChangePoint] = []
-    regime_start = 0
-    reference = None
-    for k in range(len(medians)):
-        if k < regime_start:
-            continue
-        if reference is None:
-            reference = float(medians[k])
-            continue
-        level = float(medians[k])
-        if abs(level / reference - 1.0) > band:
-            t = k + window - 1
-            index = max(t - (window - 1) // 2, regime_start + 1)
-            after = float(np.median(x[index : t + 1]))
-            out.append(ChangePoint(index=index, detected_at=t, before=reference, after=after))
-            regime_start, reference = index, None
-    return out
+    return WindowDetector(window=window, band=band).feed(x)

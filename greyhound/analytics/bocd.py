@@ -42,8 +42,12 @@ Where this departs from the textbook recursion, and why:
 baseline (:mod:`greyhound.analytics.baselines`) and the BOCD+V reference
 (:class:`~greyhound.analytics.verify.ReferenceBocdV`) run it. BOCD+V detection runs the
 same posterior, expression for expression, inside the compiled kernel
-``greyhound/analytics/_bocdv.c`` (:class:`~greyhound.analytics.verify.BocdV`); a change
-here must be made there too (tests/test_detect_bocd_kernel.py holds them together).
+``greyhound/analytics/_bocdv.c`` (:class:`~greyhound.analytics.verify.CompiledBocdV`);
+a change to the recursion here must be made there too
+(tests/test_detect_bocd_kernel.py holds them together). The constants the recursion
+derives from its :class:`BocdConfig` are computed in one place,
+:func:`derived_constants`, and the kernel receives them (and :func:`gamma_ratio_table`)
+from there.
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ import math
 import numpy as np
 from scipy.special import gammaln
 
-__all__ = ["BocdConfig", "RunLengthPosterior"]
+__all__ = [
+    "BocdConfig", "BocdConstants", "RunLengthPosterior", "derived_constants", "gamma_ratio_table",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,6 +119,62 @@ class BocdConfig:
             raise ValueError(f"prune_log must be < 0, got {self.prune_log!r}")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BocdConstants:
+    """What the recursion derives from a :class:`BocdConfig`, computed once
+    (:func:`derived_constants`): :class:`RunLengthPosterior` and the compiled kernel
+    (``_bocdv.c``, through :class:`~greyhound.analytics.verify.BocdV`) both use these
+    values and derive none of their own."""
+
+    log_h: float
+    """log H, the log hazard (H = 1 / expected_run)."""
+    log_1mh: float
+    """log(1 - H)."""
+    log_eps: float
+    """log of ``outlier_prob``."""
+    log_1m_eps: float
+    """log(1 - ``outlier_prob``)."""
+    logpred0_base: float
+    """Log density of a new segment's first point, less -log(jitter): the Student-t
+    (2 alpha0 degrees of freedom) at its own mean."""
+    prune_factor: float
+    """exp(``prune_log``): hypotheses below this share of the most probable go."""
+    kappa_first: float
+    """kappa of a new segment after its first point (kappa0 + 1)."""
+    alpha_first: float
+    """alpha of a new segment after its first point (alpha0 + 1/2)."""
+    mad_per_sigma: float
+    """Median |difference| of two iid N(0, s^2) per s: 0.6745 * sqrt(2)."""
+
+
+def derived_constants(config: BocdConfig) -> BocdConstants:
+    """The constants of the BOCD recursion for ``config``."""
+    c = config
+    return BocdConstants(
+        log_h=math.log(1.0 / c.expected_run),
+        log_1mh=math.log1p(-1.0 / c.expected_run),
+        log_eps=math.log(c.outlier_prob),
+        log_1m_eps=math.log1p(-c.outlier_prob),
+        logpred0_base=float(
+            gammaln(c.alpha0 + 0.5) - gammaln(c.alpha0)
+            - 0.5 * math.log(2.0 * c.alpha0 * math.pi * (c.kappa0 + 1.0) / c.kappa0)
+        ),
+        prune_factor=math.exp(c.prune_log),
+        kappa_first=c.kappa0 + 1.0,
+        alpha_first=c.alpha0 + 0.5,
+        mad_per_sigma=0.6745 * math.sqrt(2.0),
+    )
+
+
+def gamma_ratio_table(alpha0: float, size: int) -> np.ndarray:
+    """(size,) float64 gammaln(alpha + 1/2) - gammaln(alpha) for alpha = alpha0 + n/2,
+    n = 0 .. size - 1: the Student-t normalising term of a hypothesis n points old.
+    The posterior (and the kernel) extend it by doubling as their oldest hypothesis
+    ages."""
+    alpha = alpha0 + 0.5 * np.arange(size)
+    return np.ascontiguousarray(gammaln(alpha + 0.5) - gammaln(alpha))
+
+
 class RunLengthPosterior:
     """The BOCD posterior over segment start, updated one observation at a time.
 
@@ -125,10 +187,7 @@ class RunLengthPosterior:
     def __init__(self, config: BocdConfig | None = None) -> None:
         self.config = config or BocdConfig()
         c = self.config
-        self._log_h = math.log(1.0 / c.expected_run)
-        self._log_1mh = math.log1p(-1.0 / c.expected_run)
-        self._log_eps = math.log(c.outlier_prob)
-        self._log_1m_eps = math.log1p(-c.outlier_prob)
+        self._k = derived_constants(c)
         self.t = -1
         cap = c.max_hypotheses + 1
         self._starts = np.empty(cap, dtype=np.int64)
@@ -140,11 +199,6 @@ class RunLengthPosterior:
         self._sigma = c.noise_default
         self._p = np.empty(0)
         self._lg_table = np.empty(0)
-        # Constant part of the log density of a new segment's first point.
-        self._logpred0_base = float(
-            gammaln(c.alpha0 + 0.5) - gammaln(c.alpha0)
-            - 0.5 * math.log(2.0 * c.alpha0 * math.pi * (c.kappa0 + 1.0) / c.kappa0)
-        )
 
     @property
     def starts(self) -> np.ndarray:
@@ -166,12 +220,12 @@ class RunLengthPosterior:
 
     def update(self, y: float) -> None:
         """Add the next observation (a log iteration time)."""
-        c = self.config
+        c, k = self.config, self._k
         self.t += 1
         sigma = self._sigma
         beta0 = c.alpha0 * sigma * sigma
         # A new segment's first point is its own prior mean: Student-t(2 alpha0) at 0.
-        logpred0 = self._logpred0_base - math.log(sigma)
+        logpred0 = k.logpred0_base - math.log(sigma)
         r = self._size
         state = self._state
         if r:
@@ -186,8 +240,8 @@ class RunLengthPosterior:
                 - 0.5 * np.log(math.pi * nu_scale_sq)
                 - (alpha + 0.5) * np.log1p(z * z / nu_scale_sq)
             )
-            logp += np.logaddexp(logpred + self._log_1m_eps, self._log_eps + logpred0)
-            logp += self._log_1mh
+            logp += np.logaddexp(logpred + k.log_1m_eps, k.log_eps + logpred0)
+            logp += k.log_1mh
             bound = c.clip * np.sqrt(scale_sq)
             zc = np.minimum(np.maximum(z, -bound), bound)
             beta_data += kappa * zc * zc / (2.0 * kappa1)
@@ -200,7 +254,7 @@ class RunLengthPosterior:
             slot = int(np.argmin(state[4, :r]))
         else:
             self._size = r + 1
-        state[:, slot] = (c.kappa0 + 1.0, y, c.alpha0 + 0.5, 0.0, self._log_h + logpred0)
+        state[:, slot] = (k.kappa_first, y, k.alpha_first, 0.0, k.log_h + logpred0)
         self._starts[slot] = self.t
         self._normalise()
         if self.t % 16 == 0:
@@ -233,8 +287,7 @@ class RunLengthPosterior:
         top = int(n.max())
         if top >= len(self._lg_table):
             size = max(2 * len(self._lg_table), top + 1)
-            alpha = self.config.alpha0 + 0.5 * np.arange(size)
-            self._lg_table = gammaln(alpha + 0.5) - gammaln(alpha)
+            self._lg_table = gamma_ratio_table(self.config.alpha0, size)
         return self._lg_table[n]
 
     def _normalise(self) -> None:
@@ -247,9 +300,8 @@ class RunLengthPosterior:
         self._p = p / total
 
     def _estimate_noise(self) -> float:
-        # A difference of two iid N(0, s^2) has median |.| 0.6745 * sqrt(2) * s.
         mad = float(np.median(np.fromiter(self._diffs, float)))
-        return max(self.config.noise_floor, mad / (0.6745 * math.sqrt(2.0)))
+        return max(self.config.noise_floor, mad / self._k.mad_per_sigma)
 
     def prob_started_since(self, first: int) -> float:
         """Posterior probability that the current segment started at or after ``first``."""
@@ -271,7 +323,7 @@ class RunLengthPosterior:
         """Drop hypotheses below exp(prune_log) of the most probable (amortised)."""
         r = self._size
         p = self._p
-        keep = p >= p.max() * math.exp(self.config.prune_log)
+        keep = p >= p.max() * self._k.prune_factor
         n = int(keep.sum())
         if n == r:
             return

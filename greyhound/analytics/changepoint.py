@@ -1,12 +1,27 @@
-"""What every detector reports, and the bounded history it reads levels from."""
+"""What every detector is and reports, and the bounded history it reads levels from.
+
+A detector (:class:`Detector`) takes iteration times one at a time (``update``) or in
+batches (``feed``) and reports :class:`ChangePoint` s; its state carries over between
+calls, so any split of a series into batches reports the same change points. The
+methods of ``greyhound detect`` all are detectors: BOCD+V
+(:class:`~greyhound.analytics.verify.BocdV`), plain BOCD
+(:class:`~greyhound.analytics.baselines.PlainBocd`) and the sliding window
+(:class:`~greyhound.analytics.baselines.WindowDetector`).
+"""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+import math
+from typing import Protocol
 
 import numpy as np
 
-__all__ = ["ChangePoint", "RecentValues", "level_ratio"]
+__all__ = [
+    "ChangePoint", "Detector", "PointwiseFeed", "RecentValues", "check_series",
+    "check_value", "level_ratio",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,6 +47,51 @@ class ChangePoint:
             "index": self.index, "detected_at": self.detected_at,
             "before": self.before, "after": self.after, "ratio": self.ratio,
         }
+
+
+class Detector(Protocol):
+    """An online change-point detector on iteration times (seconds, finite and > 0)."""
+
+    def update(self, x: float) -> ChangePoint | None:
+        """Add the next iteration time; returns the change point reported now, if any."""
+        ...
+
+    def feed(self, xs: np.ndarray) -> list[ChangePoint]:
+        """Add the next (n,) iteration times (all checked before any is added); returns
+        the change points reported meanwhile, in order of ``detected_at``."""
+        ...
+
+
+class PointwiseFeed(abc.ABC):
+    """A :class:`Detector` that works one value at a time: ``feed`` is ``update`` on
+    each value."""
+
+    @abc.abstractmethod
+    def update(self, x: float) -> ChangePoint | None:
+        """Add the next iteration time (see :meth:`Detector.update`)."""
+
+    def feed(self, xs: np.ndarray) -> list[ChangePoint]:
+        """Add the next iteration times (see :meth:`Detector.feed`)."""
+        return [cp for cp in map(self.update, check_series(xs).tolist()) if cp is not None]
+
+
+def check_series(x: np.ndarray) -> np.ndarray:
+    """Validate an iteration-time series: (n,) finite, > 0. Returns it as float64."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 1:
+        raise ValueError(f"iteration times must be 1-D, got shape {x.shape}")
+    bad = np.flatnonzero(~(np.isfinite(x) & (x > 0)))
+    if len(bad):
+        raise ValueError(
+            f"iteration times must be finite and > 0, got {x[bad[0]]!r} at {bad[0]}"
+        )
+    return x
+
+
+def check_value(x: float) -> None:
+    """Validate one iteration time: finite and > 0."""
+    if not (x > 0 and math.isfinite(x)):
+        raise ValueError(f"iteration time must be finite and > 0, got {x!r}")
 
 
 class RecentValues:

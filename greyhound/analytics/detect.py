@@ -1,9 +1,11 @@
 """The tracking pipeline in one call: iteration times in, change points and slow
 intervals out, as ``greyhound detect`` and the node agent run it.
 
-Method "bocd+v" runs the compiled BOCD+V kernel (:class:`~greyhound.analytics.verify.BocdV`):
-a change point is reported only for a sustained new regime (the new level held for 4
-iterations, it is new, and the old level rested on at least 4; see
+Every method is a :class:`~greyhound.analytics.changepoint.Detector` (see
+:data:`METHODS`). Method "bocd+v" runs BOCD+V (:data:`~greyhound.analytics.verify.BocdV`,
+the compiled kernel where it is built): a change point is reported only for a
+sustained new regime (the new level held for 4 iterations, it is new, and the old
+level rested on at least 4; see
 :mod:`~greyhound.analytics.verify`), and slow intervals take their healthy reference
 from a level the job held, never from its first iteration(s) (see
 :func:`~greyhound.analytics.intervals.slow_intervals`). The node agent keeps one
@@ -14,23 +16,49 @@ series."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
-from greyhound.analytics.baselines import bocd_changepoints, window_changepoints
+from greyhound.analytics.baselines import PlainBocd, WindowDetector
 from greyhound.analytics.bocd import BocdConfig
-from greyhound.analytics.changepoint import ChangePoint
+from greyhound.analytics.changepoint import ChangePoint, Detector, check_series
 from greyhound.analytics.intervals import SlowInterval, healthy_level, slow_intervals
-from greyhound.analytics.verify import VerifyConfig, bocdv_changepoints, check_series
+from greyhound.analytics.verify import BocdV, VerifyConfig
 
-__all__ = ["METHODS", "Detection", "detect_series"]
+__all__ = ["METHODS", "Detection", "detect_series", "make_detector"]
 
-METHODS = ("bocd+v", "bocd", "window")
-"""Detection methods: BOCD+V (GREYHOUND), and the paper's two baselines."""
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Method:
+    """A detection method: its detector, and the slowdown its slow intervals need."""
+
+    detector: Callable[[BocdConfig | None, VerifyConfig, int], Detector]
+    min_slowdown: Callable[[VerifyConfig], float]
+
 
 # Plain BOCD has no 10% test: every flagged change to a slower level is a fail-slow
 # suspect, which is what makes it the baseline with many false positives.
 _ANY_SLOWDOWN = 1.0 + 1e-9
+
+_METHODS = {
+    "bocd+v": _Method(
+        detector=lambda bocd, verify, window: BocdV(bocd=bocd, verify=verify),
+        min_slowdown=lambda verify: 1.0 + verify.min_change,
+    ),
+    "bocd": _Method(
+        detector=lambda bocd, verify, window: PlainBocd(bocd=bocd),
+        min_slowdown=lambda verify: _ANY_SLOWDOWN,
+    ),
+    "window": _Method(
+        detector=lambda bocd, verify, window: WindowDetector(window=window,
+                                                             band=verify.min_change),
+        min_slowdown=lambda verify: 1.0 + verify.min_change,
+    ),
+}
+
+METHODS = tuple(_METHODS)
+"""Detection methods: BOCD+V (GREYHOUND), and the paper's two baselines."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,6 +77,23 @@ class Detection:
         return bool(self.slow_intervals)
 
 
+def _method(method: str) -> _Method:
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    return _METHODS[method]
+
+
+def make_detector(
+    method: str = "bocd+v",
+    *,
+    bocd: BocdConfig | None = None,
+    verify: VerifyConfig | None = None,
+    window: int = 20,
+) -> Detector:
+    """A fresh online detector of ``method`` (parameters as :func:`detect_series`)."""
+    return _method(method).detector(bocd, verify or VerifyConfig(), window)
+
+
 def detect_series(
     x: np.ndarray,
     *,
@@ -64,7 +109,8 @@ def detect_series(
         method: one of :data:`METHODS`.
         bocd: BOCD parameters (methods "bocd+v" and "bocd").
         verify: verification parameters (method "bocd+v"); its ``min_change`` is also
-            the slowdown that makes an interval slow.
+            the slowdown that makes an interval slow ("bocd+v", "window") and the
+            window's band.
         window: window of the "window" baseline.
 
     Returns:
@@ -74,18 +120,9 @@ def detect_series(
     if len(x) == 0:
         raise ValueError("iteration times must not be empty")
     verify = verify or VerifyConfig()
-    if method == "bocd+v":
-        cps = bocdv_changepoints(x, bocd=bocd, verify=verify)
-        min_slowdown = 1.0 + verify.min_change
-    elif method == "bocd":
-        cps = bocd_changepoints(x, bocd=bocd)
-        min_slowdown = _ANY_SLOWDOWN
-    elif method == "window":
-        cps = window_changepoints(x, window=window, band=verify.min_change)
-        min_slowdown = 1.0 + verify.min_change
-    else:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    intervals = slow_intervals(x, cps, min_slowdown=min_slowdown)
+    chosen = _method(method)
+    cps = chosen.detector(bocd, verify, window).feed(x)
+    intervals = slow_intervals(x, cps, min_slowdown=chosen.min_slowdown(verify))
     return Detection(
         method=method,
         iterations=len(x),

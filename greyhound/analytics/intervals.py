@@ -7,8 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from greyhound.analytics.changepoint import ChangePoint
-from greyhound.analytics.verify import check_series
+from greyhound.analytics.changepoint import ChangePoint, check_series
 
 __all__ = ["SlowInterval", "slow_intervals", "healthy_level"]
 

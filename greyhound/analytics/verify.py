@@ -56,39 +56,56 @@ since the last *accepted* change, so a fail-slow that creeps in as a ramp of sev
 small steps, each under 10%, is still caught once the level has moved 10% in all
 (the paper names that ramp as its one missed case).
 
-Two implementations, one algorithm: :class:`BocdV` (what detection runs) keeps its
-state in a compiled kernel (``_bocdv.c``) and takes iteration times one at a time or
-in batches; :class:`ReferenceBocdV` is the same loop in Python over
+Two implementations, one algorithm, both :class:`~greyhound.analytics.changepoint.Detector` s:
+:class:`CompiledBocdV` keeps its state in a compiled kernel (``_bocdv.c``);
+:class:`ReferenceBocdV` is the same loop in Python over
 :class:`~greyhound.analytics.bocd.RunLengthPosterior`, kept as the readable reference
 that the kernel is tested against. The kernel computes every expression in the
-reference's order with the same libm functions, so on CPUs where numpy calls libm for
-float64 exp/log (no AVX-512) the two agree bit for bit.
+reference's order with the same libm functions, and takes every derived constant from
+:func:`~greyhound.analytics.bocd.derived_constants` and
+:attr:`VerifyConfig.values_capacity`, so on CPUs where numpy calls libm for float64
+exp/log (no AVX-512) the two agree bit for bit. :data:`BocdV`, what detection runs, is
+the compiled one where the kernel is built, and the reference (~60x slower, same change
+points) where it is not.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 
 import numpy as np
-from scipy.special import gammaln
 
-from greyhound.analytics.bocd import BocdConfig, RunLengthPosterior
-from greyhound.analytics.changepoint import ChangePoint, RecentValues, level_ratio
+from greyhound.analytics.bocd import (
+    BocdConfig, RunLengthPosterior, derived_constants, gamma_ratio_table,
+)
+from greyhound.analytics.changepoint import (
+    ChangePoint, PointwiseFeed, RecentValues, check_series, check_value, level_ratio,
+)
 
+logger = logging.getLogger(__name__)
+
+_KERNEL_MISSING = ""
 try:
     from greyhound.analytics import _bocdv
 except ImportError as exc:  # an install that skipped the build, or a stale build
-    raise ImportError(
+    _bocdv = None
+    _KERNEL_MISSING = (
         "greyhound: analytics: the compiled BOCD+V kernel (greyhound.analytics._bocdv) "
         f"cannot be imported: {exc}; run scripts/setup or pip install -e ."
-    ) from exc
+    )
+    logger.warning("%s Detection runs the Python reference (same change points, ~60x slower).",
+                   _KERNEL_MISSING)
 
 __all__ = [
-    "VerifyConfig", "PosteriorState", "BocdV", "ReferenceBocdV", "bocdv_changepoints",
-    "check_series",
+    "VerifyConfig", "PosteriorState", "BocdV", "CompiledBocdV", "ReferenceBocdV",
+    "HAVE_KERNEL", "bocdv_changepoints",
 ]
+
+HAVE_KERNEL = _bocdv is not None
+"""Whether the compiled kernel is built (then :data:`BocdV` is :class:`CompiledBocdV`)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -154,18 +171,11 @@ class VerifyConfig:
         if not 0.0 <= self.keep_prob < 1.0:
             raise ValueError(f"keep_prob must be in [0, 1), got {self.keep_prob!r}")
 
-
-def check_series(x: np.ndarray) -> np.ndarray:
-    """Validate an iteration-time series: (n,) finite, > 0. Returns it as float64."""
-    x = np.asarray(x, dtype=np.float64)
-    if x.ndim != 1:
-        raise ValueError(f"iteration times must be 1-D, got shape {x.shape}")
-    bad = np.flatnonzero(~(np.isfinite(x) & (x > 0)))
-    if len(bad):
-        raise ValueError(
-            f"iteration times must be finite and > 0, got {x[bad[0]]!r} at {bad[0]}"
-        )
-    return x
+    @property
+    def values_capacity(self) -> int:
+        """Recent iteration times a detector keeps: the old level's window and the
+        pending one, for a reference up to ``before_window`` before the candidate."""
+        return 2 * self.before_window + 2 * self.max_pending + 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -182,7 +192,7 @@ class PosteriorState:
     """Current jitter estimate (std of log time)."""
 
 
-class BocdV:
+class CompiledBocdV:
     """Online BOCD+V (the compiled kernel): :meth:`update` one iteration time, or
     :meth:`feed` a batch (a node agent's poll); the state carries over between calls,
     and any split of a series into batches reports the same change points.
@@ -204,21 +214,15 @@ class BocdV:
         verify: VerifyConfig | None = None,
         exact_math: bool = False,
     ) -> None:
+        if _bocdv is None:
+            raise ImportError(_KERNEL_MISSING)
         self.bocd = bocd or BocdConfig()
         self.verify = verify or VerifyConfig()
         c, v = self.bocd, self.verify
-        # Constants computed exactly as RunLengthPosterior computes them.
+        # The kernel derives nothing: constants and the gammaln table come from bocd.py.
         self._kernel = _bocdv.Kernel(
-            log_h=math.log(1.0 / c.expected_run),
-            log_1mh=math.log1p(-1.0 / c.expected_run),
-            log_eps=math.log(c.outlier_prob),
-            log_1m_eps=math.log1p(-c.outlier_prob),
-            logpred0_base=float(
-                gammaln(c.alpha0 + 0.5) - gammaln(c.alpha0)
-                - 0.5 * math.log(2.0 * c.alpha0 * math.pi * (c.kappa0 + 1.0) / c.kappa0)
-            ),
-            prune_factor=math.exp(c.prune_log),
-            kappa0=c.kappa0, alpha0=c.alpha0, noise_default=c.noise_default,
+            **dataclasses.asdict(derived_constants(c)),
+            alpha0=c.alpha0, noise_default=c.noise_default,
             noise_floor=c.noise_floor, clip=c.clip, threshold=c.threshold,
             max_hypotheses=c.max_hypotheses, noise_window=c.noise_window,
             noise_min_samples=c.noise_min_samples,
@@ -226,9 +230,10 @@ class BocdV:
             max_pending=v.max_pending, before_window=v.before_window,
             creep_window=v.creep_window, creep_every=v.creep_every,
             hold_newest=v.hold_newest, min_before=v.min_before, max_visited=v.max_visited,
+            values_capacity=v.values_capacity,
             # A plain function, not a bound method: the kernel is not tracked by the
             # cycle collector, so it must not hold a reference back to self.
-            lg_table=functools.partial(_gamma_ratio_table, c.alpha0), exact_math=exact_math,
+            lg_table=functools.partial(gamma_ratio_table, c.alpha0), exact_math=exact_math,
         )
 
     @property
@@ -273,29 +278,24 @@ class BocdV:
         )
 
 
-def _gamma_ratio_table(alpha0: float, size: int) -> np.ndarray:
-    """(size,) gammaln(alpha + 1/2) - gammaln(alpha), alpha = alpha0 + n/2: the kernel
-    asks for it as its oldest hypothesis ages (doubling), so its values are scipy's,
-    as the reference's."""
-    alpha = alpha0 + 0.5 * np.arange(size)
-    return np.ascontiguousarray(gammaln(alpha + 0.5) - gammaln(alpha))
-
-
 def _change_point(cp: tuple[int, int, float, float]) -> ChangePoint:
     index, detected_at, before, after = cp
     return ChangePoint(index=index, detected_at=detected_at, before=before, after=after)
 
 
-class ReferenceBocdV:
+class ReferenceBocdV(PointwiseFeed):
     """BOCD+V in Python, one iteration time at a time: the reference.
 
     This is the readable statement of the algorithm (module docstring, and
     :class:`~greyhound.analytics.bocd.RunLengthPosterior` for the model). Detection
-    runs the compiled :class:`BocdV`, which does the same arithmetic in the same order
-    (~60x faster); a change here must be made in ``_bocdv.c`` too. The tests hold the
-    two to the same change points and posterior, and ``scripts/bench_detect`` measures
-    both.
+    runs :class:`CompiledBocdV` where it is built, which does the same arithmetic in
+    the same order (~60x faster); a change here must be made in ``_bocdv.c`` too. The
+    tests hold the two to the same change points and posterior, and
+    ``scripts/bench_detect`` measures both.
     """
+
+    math = "numpy"
+    """exp/log/log1p in use: numpy's."""
 
     def __init__(
         self, *, bocd: BocdConfig | None = None, verify: VerifyConfig | None = None
@@ -304,7 +304,7 @@ class ReferenceBocdV:
         self.verify = verify or VerifyConfig()
         self._posterior = RunLengthPosterior(self.bocd)
         v = self.verify
-        self._values = RecentValues(2 * v.before_window + 2 * v.max_pending + 2)
+        self._values = RecentValues(v.values_capacity)
         self._regime_start = 0
         self._last_candidate = 0
         self._pending: int | None = None
@@ -315,8 +315,13 @@ class ReferenceBocdV:
         """Start of the candidate being verified, if any."""
         return self._pending
 
+    @property
+    def count(self) -> int:
+        """Iteration times added so far (the next one has this index)."""
+        return self._values.count
+
     def posterior_state(self) -> PosteriorState:
-        """The run-length posterior now (to compare with :meth:`BocdV.posterior_state`)."""
+        """The run-length posterior now (to compare with :meth:`CompiledBocdV.posterior_state`)."""
         post = self._posterior
         return PosteriorState(
             t=post.t, starts=post.starts.copy(), probs=post.probs,
@@ -325,8 +330,7 @@ class ReferenceBocdV:
 
     def update(self, x: float) -> ChangePoint | None:
         """Add the next iteration time (seconds, > 0); returns an accepted change point."""
-        if not (x > 0 and math.isfinite(x)):
-            raise ValueError(f"iteration time must be finite and > 0, got {x!r}")
+        check_value(x)
         v, post = self.verify, self._posterior
         self._values.append(x)
         post.update(math.log(x))
@@ -458,10 +462,18 @@ def _moved(before: float, after_low: float, after_high: float, min_change: float
     return None
 
 
+BocdV: type[CompiledBocdV] | type[ReferenceBocdV] = (
+    CompiledBocdV if _bocdv is not None else ReferenceBocdV
+)
+"""Online BOCD+V as detection runs it: :class:`CompiledBocdV` where the kernel is
+built, else :class:`ReferenceBocdV` (the same change points, ~60x slower). Both take
+``bocd=`` and ``verify=`` and are :class:`~greyhound.analytics.changepoint.Detector` s."""
+
+
 def bocdv_changepoints(
     x: np.ndarray, *, bocd: BocdConfig | None = None, verify: VerifyConfig | None = None
 ) -> list[ChangePoint]:
-    """BOCD+V over a whole series, exactly as :class:`BocdV` reports it online.
+    """BOCD+V over a whole series, exactly as :data:`BocdV` reports it online.
 
     Args:
         x: (n,) iteration times in seconds, finite and > 0.
