@@ -55,3 +55,47 @@ def test_every_link_of_a_ring_is_measured_by_both_ends(size):
     assert links == {f"n{i}-n{(i + 1) % size}" for i in range(size)}
     for r in rows:                      # each rank measured its two ring links, > 0 bytes/s
         assert len(r["bw"]) == 2 and all(v > 0 for v in r["bw"].values())
+
+
+ROUNDS = """
+import json, sys
+from mpi4py import MPI
+from greyhound.control.links import job_links, link_passes
+from greyhound.control.pause import link_bandwidth
+from greyhound.control.p2p import measure_passes, slow_links
+comm = MPI.COMM_WORLD
+nodes = [f"n{i}" for i in range(comm.size)]
+passes = link_passes(job_links([nodes]))
+rounds = []
+slow_in = {"burst": {0}, "fail-slow": {0, 1}}[sys.argv[1]]
+
+def measure(comm, node, passes, *, nodes):
+    # The real measurement; link n1-n2 is then reported at a tenth in the rounds of
+    # `slow_in` (a burst of other work: the first only; a fail-slow link: both).
+    bw = measure_passes(comm, node, passes, nodes=nodes, nbytes=1 << 20, repeats=2)
+    bw = {link: 1e9 for link in bw}    # even figures: loopback on a busy machine is not
+    if len(rounds) in slow_in and "n1-n2" in bw:
+        bw["n1-n2"] = 1e6
+    rounds.append(1)
+    return bw
+
+bw = link_bandwidth(comm, nodes[comm.rank], passes, nodes=nodes, measure=measure)
+if comm.rank == 0:
+    print(json.dumps({"rounds": len(rounds), "slow": [s["link"] for s in slow_links(bw)]}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("case, rounds, slow", [("burst", 2, []), ("fail-slow", 2, ["n1-n2"])])
+def test_a_link_is_named_only_when_it_is_slow_in_both_rounds(case, rounds, slow):
+    proc = mpirun(4, [sys.executable, "-c", ROUNDS, case], env=dict(os.environ), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert got == {"rounds": rounds, "slow": slow}
+
+
+def test_links_that_look_even_are_measured_once():
+    program = ROUNDS.replace('{"burst": {0}, "fail-slow": {0, 1}}[sys.argv[1]]', "set()")
+    proc = mpirun(4, [sys.executable, "-c", program, "none"], env=dict(os.environ), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert got == {"rounds": 1, "slow": []}

@@ -3,8 +3,9 @@
 Collective over the control plane's world (one rank per node): every agent calls
 :func:`measure_passes` with the same passes; in each pass the two agents of a link
 exchange ``nbytes`` both ways (``Sendrecv``) ``repeats`` times, the others wait at the
-pass's barrier. Each link's bandwidth is the median over repeats of bytes moved each
-way / seconds. :func:`slow_links` then judges links against the others (pure).
+pass's barrier. Each link's bandwidth is bytes moved each way / the fastest repeat's
+seconds: what the link can do (a throttled link is slow every time; other work on a
+shared node slows some repeats, not all). :func:`slow_links` then judges links against the others (pure).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def measure_passes(comm, node: str, passes: Sequence[Sequence[tuple[str, str]]],
                 t0 = time.perf_counter()
                 comm.Sendrecv(send, dest=peer, sendtag=7, recvbuf=recv, source=peer, recvtag=7)
                 seconds.append(time.perf_counter() - t0)
-            out[f"{a}-{b}"] = nbytes / float(np.median(seconds))
+            out[f"{a}-{b}"] = nbytes / min(seconds)
         comm.Barrier()
     return out
 

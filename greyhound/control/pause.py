@@ -10,7 +10,7 @@ the master's request, broadcast from rank 0):
    then everything resumes and the round says the pause failed);
 3. GEMMs run one rank at a time in the parked ranks' own processes: a probe on the
    reference ranks sizes the test to about 0.2 s, then suspects and references run it;
-4. P2P tests run along the job's links, pass by pass;
+4. P2P tests run along the job's links, pass by pass (twice when a link looks slow);
 5. every rank resumes; rank 0 returns the measurements and judgements.
 
 Whatever fails, every gate this agent set is cleared before it returns.
@@ -93,9 +93,7 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str]) -> dict
         return {"paused": False, "why": "not every rank reached the pause iteration in time",
                 "waited_s": round(t_parked - t_pause, 3), "ranks": where} if root else None
     gemm = _gemm(comm, local, request)
-    bandwidth = {}
-    for part in comm.allgather(p2p.measure_passes(comm, agent.node, request["passes"], nodes=nodes)):
-        bandwidth.update(part)
+    bandwidth = link_bandwidth(comm, agent.node, request["passes"], nodes=nodes)
     for proc in local.values():
         proc.reader.resume()
     t_resumed = time.time()
@@ -107,6 +105,21 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str]) -> dict
     results += validate.judge_links(slow, suspect_nodes=[tuple(n) for n in request["link_suspects"]])
     return {"paused": True, "pause_s": round(t_resumed - t_parked, 3), "park_s": round(t_parked - t_pause, 3),
             "gemm": gemm, "bandwidth_Bps": bandwidth, "slow_links": slow, "results": results}
+
+
+def link_bandwidth(comm, node: str, passes: list, *, nodes: list[str],
+                   measure=p2p.measure_passes) -> dict[str, float]:
+    """Every link's bandwidth, everywhere. When a link looks slow, all are measured
+    once more and each keeps its better figure: a fail-slow link is slow both times,
+    while a burst of other work on a shared node (or loopback) slows one round."""
+    bandwidth: dict[str, float] = {}
+    for round_ in range(2):
+        for part in comm.allgather(measure(comm, node, passes, nodes=nodes)):
+            for link, bw in part.items():
+                bandwidth[link] = max(bw, bandwidth.get(link, 0.0))
+        if round_ == 0 and not comm.bcast(bool(p2p.slow_links(bandwidth)) if comm.rank == 0 else None, root=0):
+            break
+    return bandwidth
 
 
 def _bench_on(comm, local: dict, rank: int, n: int) -> float | None:
