@@ -81,6 +81,92 @@ def _exchange(ops: list[tuple[str, torch.Tensor, int]]) -> None:
         work.wait()
 
 
+class _Step:
+    """One step of one stage: its micro-batches, the p2p ops around them and the
+    activations waiting for their backward pass (first in, first out)."""
+
+    def __init__(self, ctx: StageContext, microbatches: list[MicroBatch], *, grads: MainGrads,
+                 loss_scale: float, recorder) -> None:
+        self.ctx = ctx
+        self.microbatches = microbatches
+        self.grads = grads
+        self.loss_scale = loss_scale
+        self.recorder = recorder
+        self.in_flight: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+
+    def _empty(self, i: int) -> torch.Tensor:
+        """A buffer for micro-batch i's activations (or their gradient)."""
+        mb = self.microbatches[i]
+        return torch.empty((mb.lengths.size, mb.seq_len, self.ctx.dim), dtype=self.ctx.dtype,
+                           device=self.ctx.device)
+
+    def recv_forward(self, i: int) -> torch.Tensor:
+        if self.ctx.first:
+            return torch.from_numpy(self.microbatches[i].tokens).to(self.ctx.device)
+        x = self._empty(i)
+        with self.recorder.span("forward-recv", microbatch=i):
+            _exchange([("recv", x, self.ctx.prev_rank)])
+        return x
+
+    def send_forward(self, i: int, y: torch.Tensor | None) -> None:
+        if not self.ctx.last:
+            with self.recorder.span("forward-send", microbatch=i):
+                _exchange([("send", y, self.ctx.next_rank)])
+
+    def recv_backward(self, i: int) -> torch.Tensor | None:
+        if self.ctx.last:
+            return None
+        g = self._empty(i)
+        with self.recorder.span("backward-recv", microbatch=i):
+            _exchange([("recv", g, self.ctx.next_rank)])
+        return g
+
+    def send_backward(self, i: int, gx: torch.Tensor | None) -> None:
+        if not self.ctx.first:
+            with self.recorder.span("backward-send", microbatch=i):
+                _exchange([("send", gx, self.ctx.prev_rank)])
+
+    def send_forward_recv_backward(self, i_fwd: int, y: torch.Tensor | None, i_bwd: int) -> torch.Tensor | None:
+        if self.ctx.last:
+            return None
+        g = self._empty(i_bwd)
+        with self.recorder.span("forward-send", "backward-recv", microbatch=(i_fwd, i_bwd)):
+            _exchange([("send", y, self.ctx.next_rank), ("recv", g, self.ctx.next_rank)])
+        return g
+
+    def send_backward_recv_forward(self, i_bwd: int, gx: torch.Tensor | None, i_fwd: int) -> torch.Tensor:
+        if self.ctx.first:
+            return self.recv_forward(i_fwd)
+        x = self._empty(i_fwd)
+        with self.recorder.span("backward-send", "forward-recv", microbatch=(i_bwd, i_fwd)):
+            _exchange([("send", gx, self.ctx.prev_rank), ("recv", x, self.ctx.prev_rank)])
+        return x
+
+    def forward(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
+        ctx = self.ctx
+        with self.recorder.span("forward-compute", microbatch=i):
+            if not ctx.first:
+                x.requires_grad_()
+            y = ctx.module(x)
+            if ctx.last:
+                loss_sum = token_loss_sum(y, torch.from_numpy(self.microbatches[i].targets).to(ctx.device))
+                self.grads.add_loss(loss_sum)
+                self.in_flight.append((x, loss_sum * self.loss_scale))
+                return None
+            self.in_flight.append((x, y))
+            return y.detach()
+
+    def backward(self, i: int, g: torch.Tensor | None) -> torch.Tensor | None:
+        x, y = self.in_flight.popleft()
+        with self.recorder.span("backward-compute", microbatch=i):
+            if self.ctx.last:
+                y.backward()
+            else:
+                torch.autograd.backward(y, g)
+            self.grads.accumulate()
+            return None if self.ctx.first else x.grad
+
+
 def run_1f1b(
     ctx: StageContext,
     microbatches: list[MicroBatch],
@@ -100,98 +186,26 @@ def run_1f1b(
     m = len(microbatches)
     if m < 1:
         raise ValueError("run_1f1b needs at least one micro-batch")
-    dev, dt = ctx.device, ctx.dtype
-
-    def act_shape(i: int) -> tuple[int, int, int]:
-        mb = microbatches[i]
-        return (mb.lengths.size, mb.seq_len, ctx.dim)
-
-    def recv_forward(i: int) -> torch.Tensor:
-        if ctx.first:
-            return torch.from_numpy(microbatches[i].tokens).to(dev)
-        x = torch.empty(act_shape(i), dtype=dt, device=dev)
-        with recorder.span("forward-recv", microbatch=i):
-            _exchange([("recv", x, ctx.prev_rank)])
-        return x
-
-    def send_forward(i: int, y: torch.Tensor | None) -> None:
-        if not ctx.last:
-            with recorder.span("forward-send", microbatch=i):
-                _exchange([("send", y, ctx.next_rank)])
-
-    def recv_backward(i: int) -> torch.Tensor | None:
-        if ctx.last:
-            return None
-        g = torch.empty(act_shape(i), dtype=dt, device=dev)
-        with recorder.span("backward-recv", microbatch=i):
-            _exchange([("recv", g, ctx.next_rank)])
-        return g
-
-    def send_backward(i: int, gx: torch.Tensor | None) -> None:
-        if not ctx.first:
-            with recorder.span("backward-send", microbatch=i):
-                _exchange([("send", gx, ctx.prev_rank)])
-
-    def send_forward_recv_backward(i_fwd: int, y: torch.Tensor | None, i_bwd: int) -> torch.Tensor | None:
-        if ctx.last:
-            return None
-        g = torch.empty(act_shape(i_bwd), dtype=dt, device=dev)
-        with recorder.span("forward-send", "backward-recv", microbatch=(i_fwd, i_bwd)):
-            _exchange([("send", y, ctx.next_rank), ("recv", g, ctx.next_rank)])
-        return g
-
-    def send_backward_recv_forward(i_bwd: int, gx: torch.Tensor | None, i_fwd: int) -> torch.Tensor:
-        if ctx.first:
-            return recv_forward(i_fwd)
-        x = torch.empty(act_shape(i_fwd), dtype=dt, device=dev)
-        with recorder.span("backward-send", "forward-recv", microbatch=(i_bwd, i_fwd)):
-            _exchange([("send", gx, ctx.prev_rank), ("recv", x, ctx.prev_rank)])
-        return x
-
-    in_flight: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
-
-    def forward(i: int, x: torch.Tensor) -> torch.Tensor | None:
-        with recorder.span("forward-compute", microbatch=i):
-            if not ctx.first:
-                x.requires_grad_()
-            y = ctx.module(x)
-            if ctx.last:
-                loss_sum = token_loss_sum(y, torch.from_numpy(microbatches[i].targets).to(dev))
-                grads.add_loss(loss_sum)
-                in_flight.append((x, loss_sum * loss_scale))
-                return None
-            in_flight.append((x, y))
-            return y.detach()
-
-    def backward(i: int, g: torch.Tensor | None) -> torch.Tensor | None:
-        x, y = in_flight.popleft()
-        with recorder.span("backward-compute", microbatch=i):
-            if ctx.last:
-                y.backward()
-            else:
-                torch.autograd.backward(y, g)
-            grads.accumulate()
-            return None if ctx.first else x.grad
-
+    step = _Step(ctx, microbatches, grads=grads, loss_scale=loss_scale, recorder=recorder)
     num_warmup = min(ctx.pp - ctx.pp_rank - 1, m)
     num_steady = m - num_warmup
     i_fwd = i_bwd = 0
     for _ in range(num_warmup):
-        y = forward(i_fwd, recv_forward(i_fwd))
-        send_forward(i_fwd, y)
+        y = step.forward(i_fwd, step.recv_forward(i_fwd))
+        step.send_forward(i_fwd, y)
         i_fwd += 1
-    x = recv_forward(i_fwd) if num_steady else None
+    x = step.recv_forward(i_fwd) if num_steady else None
     for k in range(num_steady):
-        y = forward(i_fwd, x)
-        g = send_forward_recv_backward(i_fwd, y, i_bwd)
+        y = step.forward(i_fwd, x)
+        g = step.send_forward_recv_backward(i_fwd, y, i_bwd)
         i_fwd += 1
-        gx = backward(i_bwd, g)
+        gx = step.backward(i_bwd, g)
         if k == num_steady - 1:
-            send_backward(i_bwd, gx)
+            step.send_backward(i_bwd, gx)
         else:
-            x = send_backward_recv_forward(i_bwd, gx, i_fwd)
+            x = step.send_backward_recv_forward(i_bwd, gx, i_fwd)
         i_bwd += 1
     for _ in range(num_warmup):
-        gx = backward(i_bwd, recv_backward(i_bwd))
-        send_backward(i_bwd, gx)
+        gx = step.backward(i_bwd, step.recv_backward(i_bwd))
+        step.send_backward(i_bwd, gx)
         i_bwd += 1

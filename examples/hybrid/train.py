@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -92,18 +93,38 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig, data_cfg: DataConfig, penv: 
         dist.destroy_process_group()
 
 
-def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, device) -> list[dict]:
-    rank = penv.rank
+@dataclass(frozen=True, kw_only=True)
+class _Stage:
+    """This rank's part of the job: its stage of the model and what trains it."""
+
+    rank: int
+    dp_rank: int
+    pp_rank: int
+    layers: range
+    """This stage's block indices in the whole model."""
+    ctx: StageContext
+    optimizer: torch.optim.Optimizer
+    grads: MainGrads
+    dp_group: dist.ProcessGroup
+
+    @property
+    def first(self) -> bool:
+        return self.ctx.first
+
+    @property
+    def last(self) -> bool:
+        return self.ctx.last
+
+
+def _build_stage(cfg: TrainConfig, model_cfg: ModelConfig, rank: int, layout: ParallelLayout, layers_of,
+                 device: torch.device) -> _Stage:
     dp_rank, pp_rank = layout.coords_of(rank)
     # Every rank creates every DP group, in the same order (new_group is collective).
     dp_groups = [dist.new_group(layout.dp_group(s)) for s in range(cfg.pp)]
-    dp_group = dp_groups[pp_rank]
     # NCCL wants the first call on the world group to be collective, not a p2p.
     dist.barrier()
-
-    ctx_layers = layers_of[pp_rank]
     first, last = pp_rank == 0, pp_rank == cfg.pp - 1
-    module = GPTStage(model_cfg, ctx_layers, first=first, last=last, seed=cfg.seed).to(device)
+    module = GPTStage(model_cfg, layers_of[pp_rank], first=first, last=last, seed=cfg.seed).to(device)
     pipeline = layout.pipeline(dp_rank)
     ctx = StageContext(module=module, pp_rank=pp_rank, pp=cfg.pp,
                        prev_rank=None if first else pipeline[pp_rank - 1],
@@ -112,68 +133,109 @@ def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, devi
     optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     grads = MainGrads(module, dtype=torch.float64 if cfg.grad_accum_float64 else torch.float32,
                       with_loss_slot=last)
+    return _Stage(rank=rank, dp_rank=dp_rank, pp_rank=pp_rank, layers=layers_of[pp_rank], ctx=ctx,
+                  optimizer=optimizer, grads=grads, dp_group=dp_groups[pp_rank])
+
+
+def _resume(cfg: TrainConfig, stage: _Stage, device: torch.device) -> int:
+    """The step to start at: after the latest checkpoint under --resume, else 0."""
+    if not cfg.resume:
+        return 0
+    saved = checkpoint.latest_step(cfg.checkpoint_dir)
+    if saved is None:
+        if stage.rank == 0:
+            log.warning("--resume: no checkpoint in %s yet; starting at step 0", cfg.checkpoint_dir)
+        return 0
+    checkpoint.load(cfg.checkpoint_dir, step=saved, pp_rank=stage.pp_rank, module=stage.ctx.module,
+                    optimizer=stage.optimizer, layers=stage.layers, device=device)
+    if stage.rank == 0:
+        log.info("resumed from %s after step %d", cfg.checkpoint_dir, saved)
+    return saved
+
+
+def _recorder(cfg: TrainConfig, model_cfg: ModelConfig, data_cfg: DataConfig, penv: ProcessEnv,
+              stage: _Stage, device: torch.device):
+    """The timeline recorder under --trace, else NO_RECORDER."""
+    if not cfg.trace_dir:
+        return NO_RECORDER
+    from greyhound.timeline import TimelineConfig, TimelineRecorder
+
+    return TimelineRecorder(
+        TimelineConfig(trace_dir=cfg.trace_dir, every=cfg.trace_every, append=cfg.resume),
+        rank=stage.rank, dp_rank=stage.dp_rank, pp_rank=stage.pp_rank, node=penv.node,
+        device=str(device) if device.type == "cuda" else "cpu",
+        job=_job_meta(cfg, model_cfg, data_cfg, cfg.job_id or penv.job_id),
+        sync=torch.cuda.synchronize if device.type == "cuda" else None,
+    )
+
+
+def _train_step(cfg: TrainConfig, stage: _Stage, data: SyntheticData, step: int, recorder) -> int:
+    """One step of this stage: 1F1B over its replica's micro-batches, the DP gradient
+    all-reduce and the optimizer step. Returns the global batch's token count."""
+    m = cfg.microbatch_split[stage.dp_rank]
+    first_mb = cfg.first_microbatch(stage.dp_rank)
+    tracing = recorder is not NO_RECORDER
+    if tracing:
+        recorder.start_step(step, num_microbatches=m)
+    total_tokens = data.tokens_in_step(step, cfg.num_microbatches)
+    mbs = [data.microbatch(step, first_mb + i, with_tokens=stage.first or stage.last) for i in range(m)]
+    if tracing and stage.first:
+        for i, mb in enumerate(mbs):
+            recorder.seqlens(i, mb.lengths)
+    grads = stage.grads
+    grads.zero()
+    run_1f1b(stage.ctx, mbs, grads=grads, loss_scale=1.0 / total_tokens, recorder=recorder)
+    if cfg.dp > 1:
+        with recorder.span("grads-all-reduce"):
+            grads.all_reduce(stage.dp_group)
+    with recorder.span("optimizer"):
+        grads.apply()
+        stage.optimizer.step()
+        stage.optimizer.zero_grad(set_to_none=True)
+    if tracing:
+        recorder.end_step()
+    return total_tokens
+
+
+def _merge_trace(cfg: TrainConfig, penv: ProcessEnv) -> None:
+    """Rank 0 merges every rank's timeline file into one trace, once all are complete."""
+    dist.barrier()  # every rank's file is complete
+    if penv.rank != 0:
+        return
+    from greyhound.errors import GreyhoundError
+    from postmortem.merge import merge_trace_dir
+
+    # The trace is a by-product: a failed merge (e.g. no sampled step) is
+    # reported, never turned into a failed training run.
+    try:
+        path = merge_trace_dir(cfg.trace_dir, job_id=cfg.job_id or penv.job_id)
+        log.info("timeline trace: %s", path)
+    except GreyhoundError as exc:
+        log.warning("timeline trace not merged: %s", exc)
+
+
+def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, device) -> list[dict]:
+    rank = penv.rank
+    stage = _build_stage(cfg, model_cfg, rank, layout, layers_of, device)
     data = SyntheticData(data_cfg, vocab_size=model_cfg.vocab_size, seed=cfg.seed)
-
-    start_step = 0
-    if cfg.resume:
-        saved = checkpoint.latest_step(cfg.checkpoint_dir)
-        if saved is None:
-            if rank == 0:
-                log.warning("--resume: no checkpoint in %s yet; starting at step 0", cfg.checkpoint_dir)
-        else:
-            start_step = saved
-            checkpoint.load(cfg.checkpoint_dir, step=start_step, pp_rank=pp_rank, module=module,
-                            optimizer=optimizer, layers=ctx_layers, device=device)
-            if rank == 0:
-                log.info("resumed from %s after step %d", cfg.checkpoint_dir, start_step)
-
-    recorder = NO_RECORDER
-    if cfg.trace_dir:
-        from greyhound.timeline import TimelineConfig, TimelineRecorder
-
-        recorder = TimelineRecorder(
-            TimelineConfig(trace_dir=cfg.trace_dir, every=cfg.trace_every, append=cfg.resume),
-            rank=rank, dp_rank=dp_rank, pp_rank=pp_rank, node=penv.node,
-            device=str(device) if device.type == "cuda" else "cpu",
-            job=_job_meta(cfg, model_cfg, data_cfg, cfg.job_id or penv.job_id),
-            sync=torch.cuda.synchronize if device.type == "cuda" else None,
-        )
+    start_step = _resume(cfg, stage, device)
+    recorder = _recorder(cfg, model_cfg, data_cfg, penv, stage, device)
 
     metrics_rank = layout.rank_of(dp_rank=0, pp_rank=cfg.pp - 1)
     metrics_file = None
     if cfg.metrics and rank == metrics_rank:
         metrics_file = _open_metrics(cfg.metrics, keep_before=start_step)
     rows: list[dict] = []
-    m = cfg.microbatch_split[dp_rank]
-    first_mb = cfg.first_microbatch(dp_rank)
     try:
         for step in range(start_step, cfg.steps):
             if cfg.crash_at_step == step and rank == 0:
                 log.warning("--crash-at-step %d: killing rank 0", step)
                 os.kill(os.getpid(), signal.SIGKILL)
             t0 = time.perf_counter()
-            tracing = recorder is not NO_RECORDER
-            if tracing:
-                recorder.start_step(step, num_microbatches=m)
-            total_tokens = data.tokens_in_step(step, cfg.num_microbatches)
-            mbs = [data.microbatch(step, first_mb + i, with_tokens=first or last) for i in range(m)]
-            if tracing and first:
-                for i, mb in enumerate(mbs):
-                    recorder.seqlens(i, mb.lengths)
-            grads.zero()
-            run_1f1b(ctx, mbs, grads=grads, loss_scale=1.0 / total_tokens, recorder=recorder)
-            if cfg.dp > 1:
-                with recorder.span("grads-all-reduce"):
-                    grads.all_reduce(dp_group)
-            with recorder.span("optimizer"):
-                grads.apply()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if tracing:
-                recorder.end_step()
+            total_tokens = _train_step(cfg, stage, data, step, recorder)
             step_time = time.perf_counter() - t0
             if rank == metrics_rank:
-                row = {"step": step, "loss": grads.loss_sum / total_tokens, "step_time": step_time,
+                row = {"step": step, "loss": stage.grads.loss_sum / total_tokens, "step_time": step_time,
                        "tokens": total_tokens, "time": time.time()}
                 rows.append(row)
                 log.info("step %d loss %.6f step_time %.3fs", step, row["loss"], step_time)
@@ -183,8 +245,9 @@ def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, devi
             done = step + 1
             if cfg.checkpoint_dir and ((cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
                                        or done == cfg.steps):
-                checkpoint.save(cfg.checkpoint_dir, step=done, pp_rank=pp_rank, dp_rank=dp_rank, rank=rank,
-                                module=module, optimizer=optimizer, layers=ctx_layers)
+                checkpoint.save(cfg.checkpoint_dir, step=done, pp_rank=stage.pp_rank, dp_rank=stage.dp_rank,
+                                rank=rank, module=stage.ctx.module, optimizer=stage.optimizer,
+                                layers=stage.layers)
     finally:
         if metrics_file is not None:
             metrics_file.close()
@@ -192,16 +255,5 @@ def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, devi
             recorder.close()
 
     if cfg.trace_dir:
-        dist.barrier()  # every rank's file is complete
-        if rank == 0:
-            from greyhound.errors import GreyhoundError
-            from postmortem.merge import merge_trace_dir
-
-            # The trace is a by-product: a failed merge (e.g. no sampled step) is
-            # reported, never turned into a failed training run.
-            try:
-                path = merge_trace_dir(cfg.trace_dir, job_id=cfg.job_id or penv.job_id)
-                log.info("timeline trace: %s", path)
-            except GreyhoundError as exc:
-                log.warning("timeline trace not merged: %s", exc)
+        _merge_trace(cfg, penv)
     return rows
