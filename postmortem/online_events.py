@@ -109,11 +109,13 @@ def step_clock(trace: Trace) -> StepClock | None:
     ok = np.isfinite(start) & np.isfinite(end)
     if not ok.any():
         return None
-    steps, slot = np.unique(np.asarray(ops["step"])[ok].astype(np.int64), return_inverse=True)
-    first = np.full(steps.size, np.inf)
-    last = np.full(steps.size, -np.inf)
-    np.minimum.at(first, slot, start[ok])
-    np.maximum.at(last, slot, end[ok])
+    step, start, end = np.asarray(ops["step"])[ok], start[ok], end[ok]
+    if not (step[1:] >= step[:-1]).all():   # writers keep step order; sort when they did not
+        order = np.argsort(step, kind="stable")
+        step, start, end = step[order], start[order], end[order]
+    bounds = np.flatnonzero(np.r_[True, step[1:] != step[:-1]])
+    steps = step[bounds].astype(np.int64)
+    first, last = np.minimum.reduceat(start, bounds), np.maximum.reduceat(end, bounds)
     # A step cannot start before the one before it (bad clocks): keep the order.
     return StepClock(steps=steps, starts=np.maximum.accumulate(first), ends=last)
 
@@ -251,10 +253,12 @@ def _paused(e: dict) -> str:
     return "paused" + (f" {seconds:.3g} s" if seconds is not None else "")
 
 
-def _measured(m) -> str | None:
-    """A verdict's measurement: "GEMM 5.70x" or "P2P n3-n4 at 5% of the median bandwidth"."""
+def _measured(m, *, rank: bool = False) -> str | None:
+    """A measurement: "GEMM 5.70x" ("GEMM rank 5: 5.70x" with ``rank``) or "P2P n3-n4 at
+    5% of the median bandwidth"."""
     if isinstance(m, dict) and _num(m.get("ratio")) is not None and "rank" in m:
-        return f"GEMM {_num(m['ratio']):.2f}x"
+        who = f" rank {_str(m['rank']) or '?'}:" if rank else ""
+        return f"GEMM{who} {_num(m['ratio']):.2f}x"
     links = m.get("slow_links") if isinstance(m, dict) else m
     if isinstance(links, list) and links and isinstance(links[0], dict):
         ratio = _num(links[0].get("ratio"))
@@ -270,7 +274,7 @@ def _validated(e: dict) -> str:
     results = [r for r in e.get("results") or [] if isinstance(r, dict)] if isinstance(e.get("results"), list) else []
     parts = []
     for r in results[:4]:
-        what = _measured(r) or _str(r.get("key")) or "?"
+        what = _measured(r, rank=True) or _str(r.get("key")) or "?"
         parts.append(what + (" confirmed" if r.get("confirmed") is True else " not confirmed"))
     slow = _measured(e.get("slow_links")) if not results else None
     return "validated: " + ("; ".join(parts) if parts else slow or "nothing stood out")
