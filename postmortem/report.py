@@ -196,7 +196,8 @@ def _events_html(data: dict) -> str:
             if len(events) > MAX_EVENT_ROWS else "")
     return (note + "<p>Time in seconds from the job's first record; the step running then "
             "(~: between two traced steps, from their times).</p>"
-            + _table(rows, ("time (s)", "step", "event", "what happened")) + more)
+            "<style>.events td:last-child{text-align:left}</style><div class=\"events\">"
+            + _table(rows, ("time (s)", "step", "event", "what happened")) + "</div>" + more)
 
 
 def chrome_trace(result: Result) -> dict:
