@@ -18,7 +18,7 @@ from greyhound.control import events as events_mod
 from greyhound.control.events import EVENTS_FILE, append_event, read_event_log, read_events
 from postmortem.analysis import analyze
 from postmortem.generate import SyntheticJob, generate
-from postmortem.online_events import DID_NOT_RUN, NO_RUN_DIR, load_online_events, step_clock
+from postmortem.online_events import DID_NOT_RUN, NO_RUN_DIR, event_summary, load_online_events, step_clock
 from postmortem.report import mark_events, write_report
 
 T0 = 1_760_000_000.0   # the trace on the wall clock, as greyhound.timeline writes it
@@ -102,7 +102,7 @@ def test_the_report_lists_the_events_on_the_steps_running_at_their_times(tmp_pat
         ("detected", "3", "detected: job slower 1.80x since tracker iteration 60 (ranks 0-3, 7)"),
         ("suspects", "5", "suspects: compute at rank 3 on n1"),
         ("paused", "7", f"paused {0.1 + 0.5 * (_starts(trace)[8] - _starts(trace)[7]):.3g} s"),
-        ("validated", "8", "validated: GEMM 5.70x confirmed"),
+        ("validated", "8", "validated: GEMM rank 3: 5.70x confirmed"),
         ("verdict", "9", "verdict: compute fail-slow at rank 3 on n1, 1.80x since tracker iteration 62, "
                          "validated by GEMM 5.70x"),
         ("recovered", "10", "recovered after 38 s (compute at rank 3 on n1)"),
@@ -286,3 +286,30 @@ def test_the_size_cap_starts_at_a_whole_line(tmp_path):
     assert len(log.events) == 8 and log.num_skipped == 0 and log.bytes_not_read == 92 * 128
     log = read_event_log(tmp_path, max_bytes=1025)   # 8 lines and the newline of the one before
     assert len(log.events) == 8 and log.num_skipped == 0 and log.bytes_not_read == 92 * 128
+
+
+@pytest.mark.parametrize("event, summary", [
+    ({"kind": "verdict", "verdict": {"kind": "link", "where": "n4", "measured": [
+        {"link": "n3-n4", "node": "n4", "ratio": 0.05, "bandwidth_Bps": 2e7}], "severity": 1.3, "since": 40,
+        "validated": True}},
+     "verdict: link fail-slow at n4, 1.30x since tracker iteration 40, validated by P2P n3-n4 at 5% of the "
+     "median bandwidth"),
+    ({"kind": "verdict", "verdict": {"kind": "compute", "where": "rank 5 on n3", "severity": 1.5, "since": 40,
+                                     "validated": False}},
+     "verdict: compute fail-slow at rank 5 on n3, 1.50x since tracker iteration 40, not validated"),
+    ({"kind": "verdict", "verdict": {"kind": "unknown", "where": "-", "severity": 1.5, "validated": True}},
+     "verdict: no culprit named, 1.50x, validated"),
+    ({"kind": "validated", "paused": False, "why": "not every rank reached the pause iteration in time"},
+     "not validated: not every rank reached the pause iteration in time"),
+    ({"kind": "validated", "paused": True, "results": [
+        {"key": "link:n3,n4", "nodes": ["n3", "n4"], "confirmed": True,
+         "slow_links": [{"link": "n3-n4", "ratio": 0.05}]}]},
+     "validated: P2P n3-n4 at 5% of the median bandwidth confirmed"),
+    ({"kind": "back_to_tracking", "why": "the slowdown ended while profiling"},
+     "back to tracking: the slowdown ended while profiling"),
+    ({"kind": "control_plane_failed", "why": "redis-server\x1b[31m did not start"},
+     "control plane failed: redis-server [31m did not start"),
+    ({"kind": "detected", "slowdown": "1.5", "ranks": "all"}, "detected: job slower"),
+])
+def test_each_kind_is_said_in_one_line(event, summary):
+    assert event_summary({"time": T0, **event}) == summary
