@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -134,205 +135,323 @@ def build_model(trace: Trace) -> Model:
     differs from the job's usual one (a truncated step, an unmatched p2p) are dropped and
     listed in ``Model.dropped``; InputError if no whole step remains or the program has
     no consistent structure (a p2p op without a peer anywhere, a deadlocking order).
+
+    The stages: the trace's usable rows (:func:`_usable_rows`), irregular GC pauses set
+    apart (:func:`_split_gc_events`), each row's template op (:func:`_template_keys`),
+    the dense (op, DP rank, step) tensors (:func:`_dense_cells`), the ops and steps kept
+    (:func:`_whole_steps`), the step-start ops and the order on each worker
+    (:func:`_ordered_with_step_starts`), the cross-rank groups (:func:`_groups`), then the
+    transfer times, the predecessors and the levels the simulator walks.
     """
     where = trace.path or "trace"
-    meta = trace.meta
-    D, P = meta.dp, meta.pp
-    ops = trace.ops
-    notes: list[str] = list(trace.dropped)
-    # native (narrow) dtypes: widened only where a key needs it
-    step, dp, pp, code = ops["step"], ops["dp_rank"], ops["pp_rank"], ops["optype"]
-    start = ops["start"]
-    dur = ops["duration"]
-    if step.size == 0:
-        raise InputError(f"{where}: the trace has no ops")
-
-    bad = ~np.isfinite(start) | ~np.isfinite(dur) | (dur < 0) | (dp < 0) | (dp >= D) | (pp < 0) | (pp >= P)
-    steps_all, step_idx = _dense_unique(step)
-    steps_all = steps_all.astype(np.int64)
-    N_all = steps_all.size
-    bad_step = np.zeros(N_all, bool)
-    if bad.any():
-        bad_step[np.unique(step_idx[bad])] = True
-        notes.append(
-            f"{int(bad.sum())} op rows with NaN/negative times or ranks out of range "
-            f"(dp < {D}, pp < {P}); their steps are dropped"
-        )
-        # drop bad rows now so they cannot poison the layout
-        keep_rows = ~bad
-        step_idx, dp, pp, code = step_idx[keep_rows], dp[keep_rows], pp[keep_rows], code[keep_rows]
-        start, dur = start[keep_rows], dur[keep_rows]
-    del bad
-
-    # Automatic Python GC pauses (gc.callbacks) come at irregular steps and ranks, and
-    # inside other ops' spans, unlike the study's planned GC at a fixed place in every
-    # step. As template ops they would make every step with a pause "mismatched": keep
-    # them as events beside the model instead (their time is already in the ops around).
-    gc_events = np.zeros(0)
-    is_gc = code == GC_CODE
-    if is_gc.any():
-        cell = (step_idx.astype(np.int64) * D + dp) * P + pp
-        per_cell = np.bincount(cell[is_gc], minlength=N_all * D * P)
-        if per_cell.min() != per_cell.max():
-            gc_events = dur[is_gc].astype(np.float64)
-            notes.append(f"{int(is_gc.sum())} irregular GC pauses (automatic Python GC) "
-                         "kept as events, not as ops of the step")
-            keep_rows = ~is_gc
-            step_idx, dp, pp, code = step_idx[keep_rows], dp[keep_rows], pp[keep_rows], code[keep_rows]
-            start, dur = start[keep_rows], dur[keep_rows]
-        del cell, per_cell
-    del is_gc
-
-    occ = _occurrence(step_idx, dp, pp, code, start, D=D, P=P, N=N_all)
-
-    # per-step origin: the earliest start of the step (the study's traces are already 0)
-    step_min = np.full(N_all, np.inf)
-    np.minimum.at(step_min, step_idx, start)
-    rel_start = start - step_min[step_idx]
-    step_end = np.full(N_all, -np.inf)
-    np.maximum.at(step_end, step_idx, rel_start + dur)
-
-    # template keys
-    max_occ = int(occ.max()) + 1
-    tdt = np.int32 if P * len(OPTYPES) * max_occ < np.iinfo(np.int32).max else np.int64
-    tkey = (pp.astype(tdt) * len(OPTYPES) + code) * max_occ + occ
-    del occ
-    tkeys, t_of_row = _dense_unique(tkey)
-    tkeys = tkeys.astype(np.int64)
-    del tkey
-    n_t = tkeys.size
-    # (template op, dp, step) is unique per row: the occurrence numbers a worker-step's
-    # ops of one type, so each cell gets at most one row
-    cell = (t_of_row.astype(np.int64) * D + dp) * N_all + step_idx
-    del t_of_row
-    S = np.zeros((n_t, D, N_all))
-    U = np.zeros((n_t, D, N_all))
-    have = np.zeros((n_t, D, N_all), bool)
-    S.reshape(-1)[cell] = rel_start
-    U.reshape(-1)[cell] = dur
-    have.reshape(-1)[cell] = True
-    del cell, rel_start
-    usable = ~bad_step
-    frac = have[:, :, usable].mean(axis=2) if usable.any() else np.zeros((n_t, D))
-    expected = frac >= 0.5  # (n_t, D)
-    mismatch = (have != expected[:, :, None]).any(axis=(0, 1))
-    if mismatch.any():
-        notes.append(
-            f"{int((mismatch & usable).sum())} step(s) with missing or extra ops "
-            f"(truncated or unmatched) dropped: steps {_fmt_list(steps_all[mismatch & usable])}"
-        )
-    keep_steps = usable & ~mismatch
-    if not keep_steps.any():
-        raise InputError(f"{where}: no whole step in the trace (every step has missing or damaged ops)")
-    keep_t = expected.any(axis=1)
-    if not (keep_t.all() and keep_steps.all()):
-        sel = np.ix_(keep_t, np.ones(D, bool), keep_steps)
-        S, U = S[sel], U[sel]
-    del have
-    expected = expected[keep_t]
-    tkeys = tkeys[keep_t]
-    t_occ = tkeys % max_occ
-    t_code = (tkeys // max_occ) % len(OPTYPES)
-    t_pp = tkeys // max_occ // len(OPTYPES)
-    steps = steps_all[keep_steps]
-    real_step_time = step_end[keep_steps]
-    n_t = tkeys.size
-    empty = np.setdiff1d(np.arange(P), t_pp)
-    if empty.size:
-        raise InputError(
-            f"{where}: pipeline stage(s) {_fmt_list(empty)} have no op that recurs in most steps; "
-            f"every stage of the job's pp={P} needs its ops in the trace"
-        )
-
-    # step-start ops: one per stage, its work the worker's first start in the step
-    offset = np.stack([np.where(expected[t_pp == p][:, :, None], S[t_pp == p], np.inf).min(axis=0)
-                       for p in range(P)])  # (P, D, N)
-    offset[~np.isfinite(offset)] = 0.0   # a stage with no op on a DP rank (never in practice)
-    S = np.concatenate([S, np.zeros_like(offset)])
-    U = np.concatenate([U, offset])
-    expected = np.concatenate([expected, np.ones((P, D), bool)])
-    t_pp = np.concatenate([t_pp, np.arange(P)])
-    t_code = np.concatenate([t_code, np.full(P, STEP_START_CODE)])
-    t_occ = np.concatenate([t_occ, np.zeros(P, t_occ.dtype)])
-    n_t += P
-    del offset
-
-    # order on each worker: mean start over present instances; ties by op code
-    pres3 = expected[:, :, None] & np.ones(steps.size, bool)
-    # S * pres3 is S itself when every op is present (x * 1.0 == x): skip the copy
-    weighted = S if expected.all() else S * pres3
-    mean_start = weighted.sum(axis=(1, 2)) / np.maximum(pres3.sum(axis=(1, 2)), 1)
-    mean_start[t_code == STEP_START_CODE] = -1.0   # first on its worker
-    del weighted
-    perm = np.lexsort((t_occ, t_code, mean_start, t_pp))
-    t_pp, t_code, t_occ = t_pp[perm], t_code[perm], t_occ[perm]
-    S, U, expected, pres3 = S[perm], U[perm], expected[perm], pres3[perm]
-
-    t_is_comm = ~np.isin(t_code, list(COMPUTE_CODES | {GC_CODE, STEP_START_CODE}))
-    lookup = {(int(p), int(c), int(o)): i for i, (p, c, o) in enumerate(zip(t_pp, t_code, t_occ))}
-
-    # groups
-    group = np.arange(n_t)
-    spans = np.zeros(n_t, bool)
-    for i in range(n_t):  # template size, not op count: O(PP x ops per stage)
-        c = int(t_code[i])
-        if c in P2P_PEER:
-            rc, off = P2P_PEER[c]
-            j = lookup.get((int(t_pp[i]) + off, rc, int(t_occ[i])))
-            if j is None:
-                raise InputError(
-                    f"{where}: unmatched p2p: {OPTYPES[c]} #{int(t_occ[i])} of stage {int(t_pp[i])} "
-                    f"has no {OPTYPES[rc]} on stage {int(t_pp[i]) + off}"
-                )
-            group[j] = group[i]
-        elif c in DP_GROUP_CODES:
-            spans[i] = True
-        elif c == _C["embedding-grads-all-reduce"] and t_pp[i] == P - 1 and P > 1:
-            j = lookup.get((0, c, int(t_occ[i])))
-            if j is not None:
-                group[i] = group[j]
-        elif c == _C["optimizer-clip-main-grad"]:
-            j = lookup.get((0, c, int(t_occ[i])))
-            group[i] = group[j] if j is not None else i
-            spans[i] = True
-    recv_unmatched = [
-        i for i in range(n_t) if t_code[i] in (_C["forward-recv"], _C["backward-recv"]) and group[i] == i
-    ]
-    if recv_unmatched:
-        i = recv_unmatched[0]
-        raise InputError(
-            f"{where}: unmatched p2p: {OPTYPES[int(t_code[i])]} #{int(t_occ[i])} of stage {int(t_pp[i])} "
-            "has no matching send"
-        )
-    _, group = np.unique(group, return_inverse=True)
-    g_spans = np.zeros(group.max() + 1, bool)
-    np.logical_or.at(g_spans, group, spans)
-    spans = g_spans[group]
-
-    transfer = _transfer(S, U, expected, group, g_spans, t_is_comm)
-
-    pred = _chain_preds(t_pp, t_code, S, U, pres3, P)
-    levels, buffer_rows = _levels(pred, group, spans, where=where)
+    P = trace.meta.pp
+    # The (n_t, D, N) tensors are ~50 MB each on a 6M-op trace, and each stage supersedes
+    # its input's: a stage's input is a temporary or a name the stage's result rebinds,
+    # so that a superseded tensor is freed as soon as the next stage has read it.
+    template, steps, gc_events, notes = _whole_steps(_observe(trace, where=where), num_stages=P, where=where)
+    template = _ordered_with_step_starts(template, num_stages=P)
+    group, group_spans = _groups(template, num_stages=P, where=where)
+    is_comm = ~np.isin(template.code, list(COMPUTE_CODES | {GC_CODE, STEP_START_CODE}))
+    transfer = _transfer(template.start, template.duration, template.present, group, group_spans, is_comm)
+    pred = _chain_preds(template)
+    levels, buffer_rows = _levels(pred, group, group_spans[group], where=where)
     return Model(
-        dp=D,
+        dp=trace.meta.dp,
         pp=P,
-        steps=steps,
-        t_pp=t_pp.astype(np.int64),
-        t_optype=t_code.astype(np.int64),
-        t_occ=t_occ.astype(np.int64),
-        t_is_comm=t_is_comm,
-        start=S,
-        duration=U,
+        steps=steps.numbers,
+        t_pp=template.pp,
+        t_optype=template.code,
+        t_occ=template.occ,
+        t_is_comm=is_comm,
+        start=template.start,
+        duration=template.duration,
         transfer=transfer,
-        present=expected,
+        present=template.present,
         pred=pred,
         group=group,
         levels=levels,
         buffer_rows=buffer_rows,
-        real_step_time=real_step_time,
-        dropped=tuple(notes),
+        real_step_time=steps.time,
+        dropped=notes,
         gc_events=gc_events,
     )
+
+
+class _Rows(NamedTuple):
+    """The op rows the model reads, one entry per row, in the trace's (narrow) dtypes:
+    widened only where a key needs it."""
+
+    step_idx: np.ndarray  # (n,) index of the row's step among the trace's step numbers
+    dp: np.ndarray  # (n,) DP rank
+    pp: np.ndarray  # (n,) PP rank
+    code: np.ndarray  # (n,) op-type code (into OPTYPES)
+    start: np.ndarray  # (n,) seconds, on the trace's clock
+    duration: np.ndarray  # (n,) seconds
+
+    def take(self, keep: np.ndarray) -> _Rows:
+        return _Rows(*(column[keep] for column in self))
+
+
+class _Observed(NamedTuple):
+    """The trace's usable rows laid out as dense (template op, DP rank, step) cells,
+    over every step of the trace (D DP ranks, N_all steps)."""
+
+    keys: np.ndarray  # (n_t,) int64 template keys, sorted (see _template_keys)
+    max_occ: int  # radix of the occurrence in the keys
+    start: np.ndarray  # (n_t, D, N_all) start, seconds from the step's first start
+    duration: np.ndarray  # (n_t, D, N_all) traced duration (0 where no row)
+    traced: np.ndarray  # (n_t, D, N_all) bool: a row fills the cell
+    step_numbers: np.ndarray  # (N_all,) int64, sorted
+    step_time: np.ndarray  # (N_all,) traced step time (last end - first start)
+    damaged_step: np.ndarray  # (N_all,) bool: the step has a damaged row
+    gc_events: np.ndarray  # (n_gc,) durations of irregular GC pauses
+    notes: tuple[str, ...]  # what was dropped so far, and why
+
+
+class _Template(NamedTuple):
+    """Template ops and their (op, DP rank, step) cells over the kept steps."""
+
+    pp: np.ndarray  # (n_t,) int64 PP rank
+    code: np.ndarray  # (n_t,) int64 op-type code, or STEP_START_CODE
+    occ: np.ndarray  # (n_t,) int64 occurrence (see the module doc)
+    start: np.ndarray  # (n_t, D, N) start, seconds from the step's first start
+    duration: np.ndarray  # (n_t, D, N) traced duration (0 where absent)
+    present: np.ndarray  # (n_t, D) bool: the op exists on that DP rank
+
+
+class _Steps(NamedTuple):
+    """The kept steps."""
+
+    numbers: np.ndarray  # (N,) int64 step numbers
+    time: np.ndarray  # (N,) traced step time (last end - first start)
+
+
+class _Kept(NamedTuple):
+    """What :func:`_whole_steps` keeps of an observed trace."""
+
+    template: _Template
+    steps: _Steps
+    gc_events: np.ndarray
+    notes: tuple[str, ...]
+
+
+def _observe(trace: Trace, *, where: str) -> _Observed:
+    """Dense cells of ``trace``'s usable rows (the per-row arrays die with this call)."""
+    D, P = trace.meta.dp, trace.meta.pp
+    rows, step_numbers, damaged_step, damage_note = _usable_rows(trace, where=where)
+    num_steps = step_numbers.size
+    rows, gc_events, gc_note = _split_gc_events(rows, D=D, P=P, num_steps=num_steps)
+    keys, max_occ, cell = _template_keys(rows, D=D, P=P, num_steps=num_steps)
+    start, duration, traced, step_time = _dense_cells(rows, cell, shape=(keys.size, D, num_steps))
+    notes = (*trace.dropped, *(note for note in (damage_note, gc_note) if note))
+    return _Observed(keys, max_occ, start, duration, traced, step_numbers, step_time, damaged_step,
+                     gc_events, notes)
+
+
+def _usable_rows(trace: Trace, *, where: str) -> tuple[_Rows, np.ndarray, np.ndarray, str | None]:
+    """The trace's rows minus damaged ones (NaN or negative times, ranks out of range).
+
+    Returns (rows, every step number of the trace (N_all,) int64, the steps that had a
+    damaged row (N_all,) bool, a note when rows were dropped).  The damaged rows go now,
+    so that they cannot poison the layout; their steps are dropped later.
+    """
+    D, P = trace.meta.dp, trace.meta.pp
+    ops = trace.ops
+    if ops["step"].size == 0:
+        raise InputError(f"{where}: the trace has no ops")
+    dp, pp, start, duration = ops["dp_rank"], ops["pp_rank"], ops["start"], ops["duration"]
+    damaged = (~np.isfinite(start) | ~np.isfinite(duration) | (duration < 0)
+               | (dp < 0) | (dp >= D) | (pp < 0) | (pp >= P))
+    step_numbers, step_idx = _dense_unique(ops["step"])
+    step_numbers = step_numbers.astype(np.int64)
+    rows = _Rows(step_idx, dp, pp, ops["optype"], start, duration)
+    damaged_step = np.zeros(step_numbers.size, bool)
+    if not damaged.any():
+        return rows, step_numbers, damaged_step, None
+    damaged_step[np.unique(step_idx[damaged])] = True
+    note = (f"{int(damaged.sum())} op rows with NaN/negative times or ranks out of range "
+            f"(dp < {D}, pp < {P}); their steps are dropped")
+    return rows.take(~damaged), step_numbers, damaged_step, note
+
+
+def _split_gc_events(rows: _Rows, *, D: int, P: int, num_steps: int) -> tuple[_Rows, np.ndarray, str | None]:
+    """Set irregular GC pauses apart from the ops: (rows, (n_gc,) pause durations, note).
+
+    Automatic Python GC pauses (gc.callbacks) come at irregular steps and ranks, and
+    inside other ops' spans, unlike the study's planned GC at a fixed place in every
+    step. As template ops they would make every step with a pause "mismatched": keep
+    them as events beside the model instead (their time is already in the ops around).
+    GC rows that recur the same number of times in every worker-step stay ops.
+    """
+    no_events = np.zeros(0)
+    is_gc = rows.code == GC_CODE
+    if not is_gc.any():
+        return rows, no_events, None
+    worker_step = (rows.step_idx.astype(np.int64) * D + rows.dp) * P + rows.pp
+    pauses = np.bincount(worker_step[is_gc], minlength=num_steps * D * P)  # per worker-step
+    if pauses.min() == pauses.max():
+        return rows, no_events, None
+    note = (f"{int(is_gc.sum())} irregular GC pauses (automatic Python GC) "
+            "kept as events, not as ops of the step")
+    return rows.take(~is_gc), rows.duration[is_gc].astype(np.float64), note
+
+
+def _template_keys(rows: _Rows, *, D: int, P: int, num_steps: int) -> tuple[np.ndarray, int, np.ndarray]:
+    """The template ops and each row's cell.
+
+    A template op is keyed (pp_rank, optype, occurrence), encoded as
+    ``(pp * len(OPTYPES) + code) * max_occ + occ``.  Returns (the sorted keys (n_t,)
+    int64, max_occ, each row's flat index into the (n_t, D, num_steps) cells).
+    """
+    row_keys, max_occ = _row_template_keys(rows, D=D, P=P, num_steps=num_steps)
+    keys, template_of_row = _dense_unique(row_keys)
+    # (template op, dp, step) is unique per row: the occurrence numbers a worker-step's
+    # ops of one type, so each cell gets at most one row
+    cell = (template_of_row.astype(np.int64) * D + rows.dp) * num_steps + rows.step_idx
+    return keys.astype(np.int64), max_occ, cell
+
+
+def _row_template_keys(rows: _Rows, *, D: int, P: int, num_steps: int) -> tuple[np.ndarray, int]:
+    """(n,) template key of each row (see :func:`_template_keys`), and max_occ."""
+    occ = _occurrence(rows.step_idx, rows.dp, rows.pp, rows.code, rows.start, D=D, P=P, N=num_steps)
+    max_occ = int(occ.max()) + 1
+    key_dtype = np.int32 if P * len(OPTYPES) * max_occ < np.iinfo(np.int32).max else np.int64
+    return (rows.pp.astype(key_dtype) * len(OPTYPES) + rows.code) * max_occ + occ, max_occ
+
+
+def _dense_cells(rows: _Rows, cell: np.ndarray, *, shape: tuple[int, int, int]
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Scatter the rows into (n_t, D, N_all) cells: (start from the step's origin,
+    duration, traced mask), and each step's traced time (N_all,)."""
+    num_steps = shape[2]
+    # per-step origin: the earliest start of the step (the study's traces are already 0)
+    step_first = np.full(num_steps, np.inf)
+    np.minimum.at(step_first, rows.step_idx, rows.start)
+    rel_start = rows.start - step_first[rows.step_idx]
+    step_time = np.full(num_steps, -np.inf)
+    np.maximum.at(step_time, rows.step_idx, rel_start + rows.duration)
+    start = np.zeros(shape)
+    duration = np.zeros(shape)
+    traced = np.zeros(shape, bool)
+    start.reshape(-1)[cell] = rel_start
+    duration.reshape(-1)[cell] = rows.duration
+    traced.reshape(-1)[cell] = True
+    return start, duration, traced, step_time
+
+
+def _whole_steps(observed: _Observed, *, num_stages: int, where: str) -> _Kept:
+    """The template ops of the job's usual program, and the steps that run it whole.
+
+    An op is expected on a DP rank when at least half the undamaged steps have it
+    there; a step whose ops differ from the expected ones (truncated, an unmatched p2p)
+    is dropped, like a step with a damaged row.
+    """
+    traced, D = observed.traced, observed.traced.shape[1]
+    notes = observed.notes
+    usable = ~observed.damaged_step
+    frac = traced[:, :, usable].mean(axis=2) if usable.any() else np.zeros(traced.shape[:2])
+    expected = frac >= 0.5  # (n_t, D)
+    mismatch = (traced != expected[:, :, None]).any(axis=(0, 1))
+    if mismatch.any():
+        notes += (f"{int((mismatch & usable).sum())} step(s) with missing or extra ops "
+                  f"(truncated or unmatched) dropped: steps {_fmt_list(observed.step_numbers[mismatch & usable])}",)
+    keep_steps = usable & ~mismatch
+    if not keep_steps.any():
+        raise InputError(f"{where}: no whole step in the trace (every step has missing or damaged ops)")
+    keep_ops = expected.any(axis=1)
+    start, duration = observed.start, observed.duration
+    if not (keep_ops.all() and keep_steps.all()):
+        cells = np.ix_(keep_ops, np.ones(D, bool), keep_steps)
+        start, duration = start[cells], duration[cells]
+    keys, radix = observed.keys[keep_ops], len(OPTYPES)
+    occ = keys % observed.max_occ
+    code = (keys // observed.max_occ) % radix
+    pp = keys // observed.max_occ // radix
+    empty = np.setdiff1d(np.arange(num_stages), pp)
+    if empty.size:
+        raise InputError(
+            f"{where}: pipeline stage(s) {_fmt_list(empty)} have no op that recurs in most steps; "
+            f"every stage of the job's pp={num_stages} needs its ops in the trace"
+        )
+    steps = _Steps(observed.step_numbers[keep_steps], observed.step_time[keep_steps])
+    template = _Template(pp, code, occ, start, duration, expected[keep_ops])
+    return _Kept(template, steps, observed.gc_events, notes)
+
+
+def _ordered_with_step_starts(template: _Template, *, num_stages: int) -> _Template:
+    """The template with one step-start op per stage (its work the worker's first start
+    in the step; see the module doc), ops ordered on each worker by mean start over their
+    present instances (ties by op code), the step-start op first."""
+    P, n_t = num_stages, template.pp.size
+    D, N = template.present.shape[1], template.start.shape[2]
+    # a stage with no op on a DP rank (never in practice) starts at 0
+    first_start = np.stack([np.where(template.present[template.pp == p][:, :, None], template.start[template.pp == p],
+                                     np.inf).min(axis=0) for p in range(P)])  # (P, D, N)
+    first_start[~np.isfinite(first_start)] = 0.0
+    pp = np.concatenate([template.pp, np.arange(P)])
+    code = np.concatenate([template.code, np.full(P, STEP_START_CODE)])
+    occ = np.concatenate([template.occ, np.zeros(P, template.occ.dtype)])
+    present = np.concatenate([template.present, np.ones((P, D), bool)])
+    # S * present is S itself when every op is present (x * 1.0 == x): skip the copy
+    weighted = template.start if template.present.all() else template.start * template.present[:, :, None]
+    instances = np.maximum(np.broadcast_to(template.present[:, :, None], (n_t, D, N)).sum(axis=(1, 2)), 1)
+    mean_start = np.concatenate([weighted.sum(axis=(1, 2)) / instances, np.full(P, -1.0)])
+    order = np.lexsort((occ, code, mean_start, pp))
+    # gather the ordered tensors straight from the template's and the step-start ops'
+    # rows: one copy of each (n_t, D, N) tensor, not a concatenation and then a permutation
+    is_step_start = order >= n_t
+    source = np.where(is_step_start, 0, order)
+    start = template.start[source]
+    start[is_step_start] = 0.0
+    duration = template.duration[source]
+    duration[is_step_start] = first_start[order[is_step_start] - n_t]
+    return _Template(pp[order], code[order], occ[order], start, duration, present[order])
+
+
+def _groups(template: _Template, *, num_stages: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """The cross-rank groups of the template (see the module doc).
+
+    Returns ((n_t,) group of each op, numbered in order of their first op, (n_groups,)
+    bool: the group reduces over DP ranks too).  InputError for a p2p op whose peer is
+    on no stage.
+    """
+    pp, code, occ, P = template.pp, template.code, template.occ, num_stages
+    n_t = pp.size
+    op_at = {(int(p), int(c), int(o)): i for i, (p, c, o) in enumerate(zip(pp, code, occ))}
+    group = np.arange(n_t)
+    spans = np.zeros(n_t, bool)
+    for i in range(n_t):  # template size, not op count: O(PP x ops per stage)
+        c = int(code[i])
+        if c in P2P_PEER:
+            recv_code, offset = P2P_PEER[c]
+            j = op_at.get((int(pp[i]) + offset, recv_code, int(occ[i])))
+            if j is None:
+                raise InputError(
+                    f"{where}: unmatched p2p: {OPTYPES[c]} #{int(occ[i])} of stage {int(pp[i])} "
+                    f"has no {OPTYPES[recv_code]} on stage {int(pp[i]) + offset}"
+                )
+            group[j] = group[i]
+        elif c in DP_GROUP_CODES:
+            spans[i] = True
+        elif c == _C["embedding-grads-all-reduce"] and pp[i] == P - 1 and P > 1:
+            j = op_at.get((0, c, int(occ[i])))
+            if j is not None:
+                group[i] = group[j]
+        elif c == _C["optimizer-clip-main-grad"]:
+            j = op_at.get((0, c, int(occ[i])))
+            group[i] = group[j] if j is not None else i
+            spans[i] = True
+    # a send joins its receive's group above: a receive still alone has no send
+    for i in range(n_t):
+        if code[i] in (_C["forward-recv"], _C["backward-recv"]) and group[i] == i:
+            raise InputError(
+                f"{where}: unmatched p2p: {OPTYPES[int(code[i])]} #{int(occ[i])} of stage {int(pp[i])} "
+                "has no matching send"
+            )
+    _, group = np.unique(group, return_inverse=True)
+    group_spans = np.zeros(group.max() + 1, bool)
+    np.logical_or.at(group_spans, group, spans)
+    return group, group_spans
 
 
 _DENSE_SLACK = 4  # a key range up to this many times the row count is tabulated, not sorted
@@ -443,9 +562,10 @@ def _fmt_list(values, limit: int = 10) -> str:
     return ", ".join(vals) + (f" ... ({len(values)} in all)" if len(values) > limit else "")
 
 
-def _chain_preds(t_pp, t_code, S, U, pres3, P) -> np.ndarray:
+def _chain_preds(template: _Template) -> np.ndarray:
     """Padded predecessor lists (n_t, K); the sentinel n_t means 'the step's start'."""
-    n_t = t_pp.size
+    t_pp, t_code, S, present = template.pp, template.code, template.start, template.present
+    n_t, num_steps = t_pp.size, S.shape[2]
     # fused slots: consecutive p2p ops on one worker that start together in most instances
     same_pp = np.zeros(n_t, bool)
     same_pp[1:] = t_pp[1:] == t_pp[:-1]
@@ -455,9 +575,9 @@ def _chain_preds(t_pp, t_code, S, U, pres3, P) -> np.ndarray:
     fused = np.zeros(n_t, bool)  # fused[i]: op i is in the same slot as op i-1
     cand = np.flatnonzero(same_pp & both_p2p)
     if cand.size:
-        both = pres3[cand] & pres3[cand - 1]
+        both = (present[cand] & present[cand - 1])[:, :, None]  # (n_cand, D, 1)
         close = (np.abs(S[cand] - S[cand - 1]) <= FUSE_TOLERANCE_S) & both
-        fused[cand] = close.sum(axis=(1, 2)) * 2 >= np.maximum(both.sum(axis=(1, 2)), 1)
+        fused[cand] = close.sum(axis=(1, 2)) * 2 >= np.maximum(both.sum(axis=(1, 2)) * num_steps, 1)
     preds: list[list[int]] = [[] for _ in range(n_t)]
     i = 0
     while i < n_t:
