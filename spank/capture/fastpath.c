@@ -31,11 +31,8 @@
 #include <stdint.h>
 #include <structmember.h>
 
+#include "../hook/gh_ring.h"
 #include "../hook/pyhead.h"
-
-/* enum gh_op and GH_F_ERROR of spank/hook/gh_ring.h, as the capture mirrors them. */
-#define GH_OP_RECV 7
-#define GH_F_ERROR 0x8
 
 typedef uintptr_t (*gh_begin_fn)(void);
 typedef uint64_t (*gh_end_head_fn)(const void *head);
