@@ -28,12 +28,6 @@
 #include "hook.h"
 #include "nccl_abi/nccl_versions.h"
 
-#define DECLARE_REAL(fn) static void *real_##fn
-#define REAL(fn) ((__typeof__(&fn))gh_resolve(&real_##fn, #fn))
-
-DECLARE_REAL(ncclCommCount);
-DECLARE_REAL(ncclCommUserRank);
-
 static __thread int group_depth __attribute__((tls_model("initial-exec")));
 static __thread uint64_t group_t0 __attribute__((tls_model("initial-exec")));
 static __thread uint32_t group_ops __attribute__((tls_model("initial-exec")));
@@ -340,27 +334,43 @@ void gh_nccl_atfork_child(void)
 
 /* ---- communicators -------------------------------------------------------- */
 
+static inline uint64_t handle_of(ncclComm_t comm)
+{
+	return (uint64_t)(uintptr_t)comm;
+}
+
+/* The communicator's size and this rank in it; -1 where NCCL cannot say. */
+static void comm_size_rank(ncclComm_t comm, int *size, int *rank)
+{
+	__typeof__(&ncclCommCount) count = GH_REAL(ncclCommCount);
+	__typeof__(&ncclCommUserRank) user_rank = GH_REAL(ncclCommUserRank);
+
+	if (!count || count(comm, size) != ncclSuccess)
+		*size = -1;
+	if (!user_rank || user_rank(comm, rank) != ncclSuccess)
+		*rank = -1;
+}
+
 static void comm_info(ncclComm_t comm, struct gh_comm_info *ci)
 {
-	__typeof__(&ncclCommCount) count;
-	__typeof__(&ncclCommUserRank) user_rank;
-
-	if (GH_LIKELY(gh_comm_lookup(GH_SRC_NCCL, (uint64_t)(uintptr_t)comm, ci)))
+	if (GH_LIKELY(gh_comm_lookup(GH_SRC_NCCL, handle_of(comm), ci)))
 		return;
 	/* Made by a call the hook does not wrap: the id is only process-local. */
-	count = REAL(ncclCommCount);
-	user_rank = REAL(ncclCommUserRank);
 	memset(ci, 0, sizeof(*ci));
-	ci->size = -1;
-	ci->rank = -1;
-	if (count && count(comm, &ci->size) != ncclSuccess)
-		ci->size = -1;
-	if (user_rank && user_rank(comm, &ci->rank) != ncclSuccess)
-		ci->rank = -1;
+	comm_size_rank(comm, &ci->size, &ci->rank);
 	ci->comm_id = gh_fnv1a(GH_FNV_OFFSET, &comm, sizeof(comm));
 	ci->flags = GH_F_LOCAL_COMM;
-	gh_comm_insert(GH_SRC_NCCL, (uint64_t)(uintptr_t)comm, ci);
+	gh_comm_insert(GH_SRC_NCCL, handle_of(comm), ci);
 	gh_comm_publish(ci->comm_id, 0, ci->size, ci->rank, GH_SRC_NCCL, -1);
+}
+
+/* A count per rank times the communicator's size (1 if NCCL could not say it). */
+static size_t all_ranks(ncclComm_t comm, size_t count)
+{
+	struct gh_comm_info ci;
+
+	comm_info(comm, &ci);
+	return count * (size_t)(ci.size > 0 ? ci.size : 1);
 }
 
 static void comm_created(ncclComm_t comm, uint64_t comm_id, uint64_t parent_id, int size,
@@ -368,7 +378,7 @@ static void comm_created(ncclComm_t comm, uint64_t comm_id, uint64_t parent_id, 
 {
 	struct gh_comm_info ci = { .comm_id = comm_id, .size = size, .rank = rank };
 
-	gh_comm_insert(GH_SRC_NCCL, (uint64_t)(uintptr_t)comm, &ci);
+	gh_comm_insert(GH_SRC_NCCL, handle_of(comm), &ci);
 	gh_comm_publish(comm_id, parent_id, size, rank, GH_SRC_NCCL, color);
 	gh_record(op, GH_SRC_NCCL, rc == ncclInProgress ? GH_F_ASYNC : 0, t0, gh_now_ns(),
 		  (uint64_t)size, comm_id, rank, parent_id, rc);
@@ -408,357 +418,213 @@ static inline void op_end(struct call *c, uint16_t op, ncclComm_t comm, uint64_t
 		ev_end(c->ev, flags & GH_F_ERROR ? 0 : seq, c->t0, bytes, ci.comm_id, op, peer);
 }
 
+/* The body of an NCCL call (GH_INTERPOSE); `end` sees the result as rc. */
+#define NCCL_CALL(fn, args, begin, end) \
+	GH_INTERPOSE(fn, args, ncclInternalError, nccl_enter(), begin, end)
+
+/*
+ * The body of an operation enqueued on stream: gated, timed (and device-timed),
+ * then `record`: statements that see the result as rc and the call as c.
+ */
+#define NCCL_OP(fn, args, stream, record) \
+	struct call c;                    \
+	NCCL_CALL(fn, args, op_begin(&c, stream), record)
+
 /* ---- communicator lifetime ------------------------------------------------ */
 
-DECLARE_REAL(ncclCommInitRank);
+/* After a call that made *comm, whose id is FNV-1a over the id_len bytes of id. */
+static void comm_init_end(ncclComm_t *comm, const void *id, unsigned long id_len, int nranks,
+			  int rank, uint64_t t0, ncclResult_t rc)
+{
+	if ((rc == ncclSuccess || rc == ncclInProgress) && comm && id && id_len > 0)
+		comm_created(*comm, gh_fnv1a(GH_FNV_OFFSET, id, id_len), 0, nranks, rank, -1,
+			     GH_OP_COMM_INIT, t0, rc);
+}
+
 GH_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId,
 					int rank)
 {
-	__typeof__(&ncclCommInitRank) real = REAL(ncclCommInitRank);
-	ncclResult_t rc;
 	uint64_t t0;
 
-	if (GH_UNLIKELY(!real))
-		return ncclInternalError;
-	if (!nccl_enter())
-		return real(comm, nranks, commId, rank);
-	t0 = gh_now_ns();
-	rc = real(comm, nranks, commId, rank);
-	if ((rc == ncclSuccess || rc == ncclInProgress) && comm)
-		comm_created(*comm, gh_fnv1a(GH_FNV_OFFSET, &commId, sizeof(commId)), 0, nranks,
-			     rank, -1, GH_OP_COMM_INIT, t0, rc);
-	gh_leave();
-	return rc;
+	NCCL_CALL(ncclCommInitRank, (comm, nranks, commId, rank), t0 = gh_now_ns(),
+		  comm_init_end(comm, &commId, sizeof(commId), nranks, rank, t0, rc));
 }
 
-DECLARE_REAL(ncclCommInitRankConfig);
 GH_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId commId,
 					      int rank, ncclConfig_t *config)
 {
-	__typeof__(&ncclCommInitRankConfig) real = REAL(ncclCommInitRankConfig);
-	ncclResult_t rc;
 	uint64_t t0;
 
-	if (GH_UNLIKELY(!real))
-		return ncclInternalError;
-	if (!nccl_enter())
-		return real(comm, nranks, commId, rank, config);
-	t0 = gh_now_ns();
-	rc = real(comm, nranks, commId, rank, config);
-	if ((rc == ncclSuccess || rc == ncclInProgress) && comm)
-		comm_created(*comm, gh_fnv1a(GH_FNV_OFFSET, &commId, sizeof(commId)), 0, nranks,
-			     rank, -1, GH_OP_COMM_INIT, t0, rc);
-	gh_leave();
-	return rc;
+	NCCL_CALL(ncclCommInitRankConfig, (comm, nranks, commId, rank, config), t0 = gh_now_ns(),
+		  comm_init_end(comm, &commId, sizeof(commId), nranks, rank, t0, rc));
 }
 
-DECLARE_REAL(ncclCommInitRankScalable);
 GH_EXPORT ncclResult_t ncclCommInitRankScalable(ncclComm_t *newcomm, int nranks, int myrank,
 						int nId, ncclUniqueId *commIds,
 						ncclConfig_t *config)
 {
-	__typeof__(&ncclCommInitRankScalable) real = REAL(ncclCommInitRankScalable);
-	ncclResult_t rc;
 	uint64_t t0;
 
-	if (GH_UNLIKELY(!real))
-		return ncclInvalidUsage; /* an NCCL older than 2.23 has no such call */
-	if (!nccl_enter())
-		return real(newcomm, nranks, myrank, nId, commIds, config);
-	t0 = gh_now_ns();
-	rc = real(newcomm, nranks, myrank, nId, commIds, config);
-	if ((rc == ncclSuccess || rc == ncclInProgress) && newcomm && commIds && nId > 0)
-		comm_created(*newcomm,
-			     gh_fnv1a(GH_FNV_OFFSET, commIds, (unsigned long)nId * sizeof(*commIds)),
-			     0, nranks, myrank, -1, GH_OP_COMM_INIT, t0, rc);
-	gh_leave();
-	return rc;
+	/* An NCCL older than 2.23 has no such call: ncclInvalidUsage. */
+	GH_INTERPOSE(ncclCommInitRankScalable, (newcomm, nranks, myrank, nId, commIds, config),
+		     ncclInvalidUsage, nccl_enter(), t0 = gh_now_ns(),
+		     comm_init_end(newcomm, commIds,
+				   nId > 0 ? (unsigned long)nId * sizeof(*commIds) : 0, nranks,
+				   myrank, t0, rc));
 }
 
-DECLARE_REAL(ncclCommSplit);
+/* A split: its parent, and the n-th split of the parent this is. */
+struct split {
+	struct gh_comm_info parent;
+	uint32_t nth;
+	uint64_t t0;
+};
+
+static void split_begin(struct split *s, ncclComm_t comm)
+{
+	comm_info(comm, &s->parent);
+	/* Every member of the parent calls split, so all agree on this count. */
+	s->nth = gh_comm_next_split(GH_SRC_NCCL, handle_of(comm));
+	s->t0 = gh_now_ns();
+}
+
+static void split_end(const struct split *s, int color, ncclComm_t *newcomm, ncclResult_t rc)
+{
+	uint64_t id;
+	int size = -1, rank = -1;
+
+	if ((rc != ncclSuccess && rc != ncclInProgress) || !newcomm || !*newcomm ||
+	    color == NCCL_SPLIT_NOCOLOR)
+		return;
+	comm_size_rank(*newcomm, &size, &rank);
+	id = gh_fnv1a(GH_FNV_OFFSET, &s->parent.comm_id, sizeof(s->parent.comm_id));
+	id = gh_fnv1a_i32(gh_fnv1a_i32(id, color), (int32_t)s->nth);
+	comm_created(*newcomm, id, s->parent.comm_id, size, rank, color, GH_OP_COMM_SPLIT, s->t0,
+		     rc);
+}
+
 GH_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
 				     ncclConfig_t *config)
 {
-	__typeof__(&ncclCommSplit) real = REAL(ncclCommSplit);
-	__typeof__(&ncclCommCount) count;
-	__typeof__(&ncclCommUserRank) user_rank;
-	struct gh_comm_info parent;
-	ncclResult_t rc;
-	uint64_t t0, id;
-	uint32_t nth;
-	int size = -1, rank = -1;
+	struct split s;
 
-	if (GH_UNLIKELY(!real))
-		return ncclInternalError;
-	if (!nccl_enter())
-		return real(comm, color, key, newcomm, config);
-	comm_info(comm, &parent);
-	/* Every member of the parent calls split, so all agree on this count. */
-	nth = gh_comm_next_split(GH_SRC_NCCL, (uint64_t)(uintptr_t)comm);
-	t0 = gh_now_ns();
-	rc = real(comm, color, key, newcomm, config);
-	if ((rc == ncclSuccess || rc == ncclInProgress) && newcomm && *newcomm &&
-	    color != NCCL_SPLIT_NOCOLOR) {
-		count = REAL(ncclCommCount);
-		user_rank = REAL(ncclCommUserRank);
-		if (count && count(*newcomm, &size) != ncclSuccess)
-			size = -1;
-		if (user_rank && user_rank(*newcomm, &rank) != ncclSuccess)
-			rank = -1;
-		id = gh_fnv1a(GH_FNV_OFFSET, &parent.comm_id, sizeof(parent.comm_id));
-		id = gh_fnv1a_i32(gh_fnv1a_i32(id, color), (int32_t)nth);
-		comm_created(*newcomm, id, parent.comm_id, size, rank, color, GH_OP_COMM_SPLIT,
-			     t0, rc);
-	}
-	gh_leave();
-	return rc;
+	NCCL_CALL(ncclCommSplit, (comm, color, key, newcomm, config), split_begin(&s, comm),
+		  split_end(&s, color, newcomm, rc));
 }
 
-static ncclResult_t comm_end(void **cache, const char *name, ncclComm_t comm)
-{
-	ncclResult_t (*real)(ncclComm_t) = (ncclResult_t(*)(ncclComm_t))gh_resolve(cache, name);
-	struct gh_comm_info ci;
-	ncclResult_t rc;
-	uint64_t now;
-	int known;
-
-	if (GH_UNLIKELY(!real))
-		return ncclInternalError;
-	if (!nccl_enter())
-		return real(comm);
-	known = gh_comm_lookup(GH_SRC_NCCL, (uint64_t)(uintptr_t)comm, &ci);
-	rc = real(comm);
-	if (known) {
-		gh_comm_remove(GH_SRC_NCCL, (uint64_t)(uintptr_t)comm);
-		gh_comm_retire(ci.comm_id);
-		now = gh_now_ns(); /* one reading: start == end, never end < start */
-		gh_record(GH_OP_COMM_DESTROY, GH_SRC_NCCL, ci.flags, now, now, 0,
-			  ci.comm_id, ci.rank, 0, rc);
-	}
-	gh_leave();
-	return rc;
-}
-
-DECLARE_REAL(ncclCommDestroy);
+/* Destroy and abort: the communicator is gone, whatever the result. */
 GH_EXPORT ncclResult_t ncclCommDestroy(ncclComm_t comm)
 {
-	return comm_end(&real_ncclCommDestroy, "ncclCommDestroy", comm);
+	struct gh_comm_end e;
+
+	NCCL_CALL(ncclCommDestroy, (comm), gh_comm_end_begin(&e, GH_SRC_NCCL, handle_of(comm)),
+		  gh_comm_end_done(&e, 1, rc));
 }
 
-DECLARE_REAL(ncclCommAbort);
 GH_EXPORT ncclResult_t ncclCommAbort(ncclComm_t comm)
 {
-	return comm_end(&real_ncclCommAbort, "ncclCommAbort", comm);
+	struct gh_comm_end e;
+
+	NCCL_CALL(ncclCommAbort, (comm), gh_comm_end_begin(&e, GH_SRC_NCCL, handle_of(comm)),
+		  gh_comm_end_done(&e, 1, rc));
 }
 
 /* ---- groups --------------------------------------------------------------- */
 
-DECLARE_REAL(ncclGroupStart);
-GH_EXPORT ncclResult_t ncclGroupStart(void)
+static void group_begin(void)
 {
-	__typeof__(&ncclGroupStart) real = REAL(ncclGroupStart);
-	ncclResult_t rc;
-
-	if (GH_UNLIKELY(!real))
-		return ncclInternalError;
-	if (!nccl_enter())
-		return real();
 	gh_gate();
 	if (group_depth++ == 0) {
 		group_t0 = gh_now_ns();
 		group_ops = 0;
 		group_num_slots = 0;
 	}
-	rc = real();
-	gh_leave();
-	return rc;
 }
 
-DECLARE_REAL(ncclGroupEnd);
+static void group_end(ncclResult_t rc)
+{
+	if (group_depth <= 0 || --group_depth > 0)
+		return;
+	/* The kernels were launched just now: close their timing events. */
+	ev_group_end();
+	gh_record(GH_OP_GROUP, GH_SRC_NCCL,
+		  (rc != ncclSuccess && rc != ncclInProgress) ? GH_F_ERROR : 0, group_t0,
+		  gh_now_ns(), group_ops, 0, -1, 0, rc);
+}
+
+GH_EXPORT ncclResult_t ncclGroupStart(void)
+{
+	NCCL_CALL(ncclGroupStart, (), group_begin(), (void)0);
+}
+
 GH_EXPORT ncclResult_t ncclGroupEnd(void)
 {
-	__typeof__(&ncclGroupEnd) real = REAL(ncclGroupEnd);
-	ncclResult_t rc;
-
-	if (GH_UNLIKELY(!real))
-		return ncclInternalError;
-	if (!nccl_enter())
-		return real();
-	rc = real();
-	if (group_depth > 0 && --group_depth == 0) {
-		/* The kernels were launched just now: close their timing events. */
-		ev_group_end();
-		gh_record(GH_OP_GROUP, GH_SRC_NCCL,
-			  (rc != ncclSuccess && rc != ncclInProgress) ? GH_F_ERROR : 0, group_t0,
-			  gh_now_ns(), group_ops, 0, -1, 0, rc);
-	}
-	gh_leave();
-	return rc;
+	NCCL_CALL(ncclGroupEnd, (), (void)0, group_end(rc));
 }
 
 /* ---- collectives and point to point --------------------------------------- */
 
-DECLARE_REAL(ncclAllReduce);
 GH_EXPORT ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
 				     ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
 				     cudaStream_t stream)
 {
-	__typeof__(&ncclAllReduce) real = REAL(ncclAllReduce);
-	struct call c;
-	ncclResult_t rc;
-
-	if (GH_UNLIKELY(!real))
-		return ncclInternalError;
-	if (!nccl_enter())
-		return real(sendbuff, recvbuff, count, datatype, op, comm, stream);
-	op_begin(&c, stream);
-	rc = real(sendbuff, recvbuff, count, datatype, op, comm, stream);
-	op_end(&c, GH_OP_ALLREDUCE, comm, dtype_bytes(datatype, count), -1, rc);
-	gh_leave();
-	return rc;
+	NCCL_OP(ncclAllReduce, (sendbuff, recvbuff, count, datatype, op, comm, stream), stream,
+		op_end(&c, GH_OP_ALLREDUCE, comm, dtype_bytes(datatype, count), -1, rc));
 }
 
-DECLARE_REAL(ncclReduceScatter);
+/* Bytes reduced: the whole input, recvcount x ranks (as MPI's). */
 GH_EXPORT ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
 					 ncclDataType_t datatype, ncclRedOp_t op,
 					 ncclComm_t comm, cudaStream_t stream)
 {
-	__typeof__(&ncclReduceScatter) real = REAL(ncclReduceScatter);
-	struct gh_comm_info ci;
-	struct call c;
-	ncclResult_t rc;
-
-	if (GH_UNLIKELY(!real))
-		return ncclInternalError;
-	if (!nccl_enter())
-		return real(sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
-	op_begin(&c, stream);
-	rc = real(sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
-	comm_info(comm, &ci);
-	/* Bytes reduced: the whole input, recvcount x ranks (as MPI's). */
-	op_end(&c, GH_OP_REDUCESCATTER, comm,
-	       dtype_bytes(datatype, recvcount * (size_t)(ci.size > 0 ? ci.size : 1)), -1, rc);
-	gh_leave();
-	return rc;
+	NCCL_OP(ncclReduceScatter, (sendbuff, recvbuff, recvcount, datatype, op, comm, stream),
+		stream, op_end(&c, GH_OP_REDUCESCATTER, comm,
+			       dtype_bytes(datatype, all_ranks(comm, recvcount)), -1, rc));
 }
 
-DECLARE_REAL(ncclAllGather);
+/* Bytes gathered: the whole output, sendcount x ranks (as MPI's). */
 GH_EXPORT ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount,
 				     ncclDataType_t datatype, ncclComm_t comm,
 				     cudaStream_t stream)
 {
-	__typeof__(&ncclAllGather) real = REAL(ncclAllGather);
-	struct gh_comm_info ci;
-	struct call c;
-	ncclResult_t rc;
-
-	if (GH_UNLIKELY(!real))
-		return ncclInternalError;
-	if (!nccl_enter())
-		return real(sendbuff, recvbuff, sendcount, datatype, comm, stream);
-	op_begin(&c, stream);
-	rc = real(sendbuff, recvbuff, sendcount, datatype, comm, stream);
-	comm_info(comm, &ci);
-	/* Bytes gathered: the whole output, sendcount x ranks (as MPI's). */
-	op_end(&c, GH_OP_ALLGATHER, comm,
-	       dtype_bytes(datatype, sendcount * (size_t)(ci.size > 0 ? ci.size : 1)), -1, rc);
-	gh_leave();
-	return rc;
+	NCCL_OP(ncclAllGather, (sendbuff, recvbuff, sendcount, datatype, comm, stream), stream,
+		op_end(&c, GH_OP_ALLGATHER, comm, dtype_bytes(datatype, all_ranks(comm, sendcount)),
+		       -1, rc));
 }
 
-DECLARE_REAL(ncclBroadcast);
 GH_EXPORT ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count,
 				     ncclDataType_t datatype, int root, ncclComm_t comm,
 				     cudaStream_t stream)
 {
-	__typeof__(&ncclBroadcast) real = REAL(ncclBroadcast);
-	struct call c;
-	ncclResult_t rc;
-
-	if (GH_UNLIKELY(!real))
-		return ncclInternalError;
-	if (!nccl_enter())
-		return real(sendbuff, recvbuff, count, datatype, root, comm, stream);
-	op_begin(&c, stream);
-	rc = real(sendbuff, recvbuff, count, datatype, root, comm, stream);
-	op_end(&c, GH_OP_BROADCAST, comm, dtype_bytes(datatype, count), root, rc);
-	gh_leave();
-	return rc;
+	NCCL_OP(ncclBroadcast, (sendbuff, recvbuff, count, datatype, root, comm, stream), stream,
+		op_end(&c, GH_OP_BROADCAST, comm, dtype_bytes(datatype, count), root, rc));
 }
 
-DECLARE_REAL(ncclBcast);
 GH_EXPORT ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t datatype, int root,
 				 ncclComm_t comm, cudaStream_t stream)
 {
-	__typeof__(&ncclBcast) real = REAL(ncclBcast);
-	struct call c;
-	ncclResult_t rc;
-
-	if (GH_UNLIKELY(!real))
-		return ncclInternalError;
-	if (!nccl_enter())
-		return real(buff, count, datatype, root, comm, stream);
-	op_begin(&c, stream);
-	rc = real(buff, count, datatype, root, comm, stream);
-	op_end(&c, GH_OP_BROADCAST, comm, dtype_bytes(datatype, count), root, rc);
-	gh_leave();
-	return rc;
+	NCCL_OP(ncclBcast, (buff, count, datatype, root, comm, stream), stream,
+		op_end(&c, GH_OP_BROADCAST, comm, dtype_bytes(datatype, count), root, rc));
 }
 
-DECLARE_REAL(ncclReduce);
 GH_EXPORT ncclResult_t ncclReduce(const void *sendbuff, void *recvbuff, size_t count,
 				  ncclDataType_t datatype, ncclRedOp_t op, int root,
 				  ncclComm_t comm, cudaStream_t stream)
 {
-	__typeof__(&ncclReduce) real = REAL(ncclReduce);
-	struct call c;
-	ncclResult_t rc;
-
-	if (GH_UNLIKELY(!real))
-		return ncclInternalError;
-	if (!nccl_enter())
-		return real(sendbuff, recvbuff, count, datatype, op, root, comm, stream);
-	op_begin(&c, stream);
-	rc = real(sendbuff, recvbuff, count, datatype, op, root, comm, stream);
-	op_end(&c, GH_OP_REDUCE, comm, dtype_bytes(datatype, count), root, rc);
-	gh_leave();
-	return rc;
+	NCCL_OP(ncclReduce, (sendbuff, recvbuff, count, datatype, op, root, comm, stream), stream,
+		op_end(&c, GH_OP_REDUCE, comm, dtype_bytes(datatype, count), root, rc));
 }
 
-DECLARE_REAL(ncclSend);
 GH_EXPORT ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype,
 				int peer, ncclComm_t comm, cudaStream_t stream)
 {
-	__typeof__(&ncclSend) real = REAL(ncclSend);
-	struct call c;
-	ncclResult_t rc;
-
-	if (GH_UNLIKELY(!real))
-		return ncclInternalError;
-	if (!nccl_enter())
-		return real(sendbuff, count, datatype, peer, comm, stream);
-	op_begin(&c, stream);
-	rc = real(sendbuff, count, datatype, peer, comm, stream);
-	op_end(&c, GH_OP_SEND, comm, dtype_bytes(datatype, count), peer, rc);
-	gh_leave();
-	return rc;
+	NCCL_OP(ncclSend, (sendbuff, count, datatype, peer, comm, stream), stream,
+		op_end(&c, GH_OP_SEND, comm, dtype_bytes(datatype, count), peer, rc));
 }
 
-DECLARE_REAL(ncclRecv);
 GH_EXPORT ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer,
 				ncclComm_t comm, cudaStream_t stream)
 {
-	__typeof__(&ncclRecv) real = REAL(ncclRecv);
-	struct call c;
-	ncclResult_t rc;
-
-	if (GH_UNLIKELY(!real))
-		return ncclInternalError;
-	if (!nccl_enter())
-		return real(recvbuff, count, datatype, peer, comm, stream);
-	op_begin(&c, stream);
-	rc = real(recvbuff, count, datatype, peer, comm, stream);
-	op_end(&c, GH_OP_RECV, comm, dtype_bytes(datatype, count), peer, rc);
-	gh_leave();
-	return rc;
+	NCCL_OP(ncclRecv, (recvbuff, count, datatype, peer, comm, stream), stream,
+		op_end(&c, GH_OP_RECV, comm, dtype_bytes(datatype, count), peer, rc));
 }
