@@ -236,12 +236,66 @@ static uint64_t ticks_for(uint64_t interval_ns, uint64_t mult)
 	return (uint64_t)(((unsigned __int128)interval_ns << 32) / mult);
 }
 
+/* The slope (ns per tick, times 2^32) from the calibration pair to (tsc, ns). */
+static uint64_t slope_since_pair(uint64_t tsc, uint64_t ns)
+{
+	unsigned __int128 q = ((unsigned __int128)(ns - w.cal_ns) << 32) / (tsc - w.cal_tsc);
+
+	return q > UINT64_MAX ? UINT64_MAX : (uint64_t)q;
+}
+
+/* The first line: the slope since the pair taken at init. Lock held. */
+static uint64_t first_fit(uint64_t tsc, uint64_t ns)
+{
+	uint64_t mult = slope_since_pair(tsc, ns);
+
+	if (mult == 0 || mult == UINT64_MAX) {
+		give_up_tsc();
+		return ns;
+	}
+	publish(tsc, ns, mult, ticks_for(w.interval_ns, mult));
+	if (gh_hdr)
+		__atomic_fetch_or(&gh_hdr->hook_flags, GH_HOOK_TSC, __ATOMIC_RELAXED);
+	w.cal_tsc = tsc;
+	w.cal_ns = ns;
+	return ns;
+}
+
+/*
+ * A new line through (tsc, ns) at slope mult, for twice the last interval;
+ * returns the reading to hand out. Lock held.
+ */
+static uint64_t next_line(uint64_t tsc, uint64_t ns, uint64_t mult)
+{
+	uint64_t mapped = line_at(tsc), slow, ticks;
+	int64_t err = (int64_t)(mapped - ns);
+
+	if (err > CAL_MAX_ERROR_NS || err < -CAL_MAX_ERROR_NS) {
+		give_up_tsc();
+		return ns;
+	}
+	w.interval_ns = w.interval_ns * 2 > CAL_MAX_NS ? CAL_MAX_NS : w.interval_ns * 2;
+	ticks = ticks_for(w.interval_ns, mult);
+	if (err <= 0) {
+		publish(tsc, ns, mult, ticks); /* ran behind (or exact): stepping forward is fine */
+		return ns;
+	}
+	/*
+	 * The old line ran ahead: start the new one where the old one is (readings
+	 * never step back) and slow it by err over the next interval, by 0.1 % at
+	 * most, so that it meets the clock again.
+	 */
+	slow = (uint64_t)(((unsigned __int128)(uint64_t)err << 32) / ticks);
+	if (slow > mult / 1000)
+		slow = mult / 1000;
+	publish(tsc, mapped, mult - slow, ticks);
+	return mapped;
+}
+
 /* Refits the line at a fresh pair; returns the reading to hand out. Lock held. */
 static uint64_t refit(void)
 {
-	uint64_t tsc, ns, mult, mapped, slow, ticks, width;
-	unsigned __int128 q;
-	int64_t err;
+	uint64_t tsc, ns, mult, width;
 
 	width = take_pair(&tsc, &ns);
 	if (gh_clock.mult && width > 4 * w.min_width + 64 && w.skipped < CAL_MAX_SKIPS &&
@@ -266,28 +320,14 @@ static uint64_t refit(void)
 		give_up_tsc(); /* the TSC (or the clock) went backwards */
 		return ns;
 	}
-	if (gh_clock.mult == 0) {
-		/* First fit: the slope since the pair taken at init. */
-		q = ((unsigned __int128)(ns - w.cal_ns) << 32) / (tsc - w.cal_tsc);
-		mult = q > UINT64_MAX ? UINT64_MAX : (uint64_t)q;
-		if (mult == 0 || mult == UINT64_MAX) {
-			give_up_tsc();
-			return ns;
-		}
-		publish(tsc, ns, mult, ticks_for(w.interval_ns, mult));
-		if (gh_hdr)
-			__atomic_fetch_or(&gh_hdr->hook_flags, GH_HOOK_TSC, __ATOMIC_RELAXED);
-		w.cal_tsc = tsc;
-		w.cal_ns = ns;
-		return ns;
-	}
+	if (gh_clock.mult == 0)
+		return first_fit(tsc, ns);
 	mult = gh_clock.mult;
 	if (ns - w.cal_ns >= CAL_FIRST_NS) {
 		/* A baseline long enough for a slope (not so after a fork: keep the old one). */
 		uint64_t diff;
 
-		q = ((unsigned __int128)(ns - w.cal_ns) << 32) / (tsc - w.cal_tsc);
-		mult = q > UINT64_MAX ? UINT64_MAX : (uint64_t)q;
+		mult = slope_since_pair(tsc, ns);
 		diff = mult > gh_clock.mult ? mult - gh_clock.mult : gh_clock.mult - mult;
 		if (diff > gh_clock.mult / 100) {
 			give_up_tsc(); /* 1 %: no invariant TSC does that, nor NTP (0.05 % at most) */
@@ -296,28 +336,7 @@ static uint64_t refit(void)
 		w.cal_tsc = tsc;
 		w.cal_ns = ns;
 	}
-	mapped = line_at(tsc);
-	err = (int64_t)(mapped - ns);
-	if (err > CAL_MAX_ERROR_NS || err < -CAL_MAX_ERROR_NS) {
-		give_up_tsc();
-		return ns;
-	}
-	w.interval_ns = w.interval_ns * 2 > CAL_MAX_NS ? CAL_MAX_NS : w.interval_ns * 2;
-	ticks = ticks_for(w.interval_ns, mult);
-	if (err <= 0) {
-		publish(tsc, ns, mult, ticks); /* ran behind (or exact): stepping forward is fine */
-		return ns;
-	}
-	/*
-	 * The old line ran ahead: start the new one where the old one is (readings
-	 * never step back) and slow it by err over the next interval, by 0.1 % at
-	 * most, so that it meets the clock again.
-	 */
-	slow = (uint64_t)(((unsigned __int128)(uint64_t)err << 32) / ticks);
-	if (slow > mult / 1000)
-		slow = mult / 1000;
-	publish(tsc, mapped, mult - slow, ticks);
-	return mapped;
+	return next_line(tsc, ns, mult);
 }
 #endif
 

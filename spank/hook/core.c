@@ -101,34 +101,45 @@ static long global_rank(void)
 	return -1;
 }
 
+/*
+ * A variable that takes one of two words: 0 for the first, 1 for the second,
+ * -1 when it is unset or empty, -2 (after one line) for anything else.
+ */
+static int env_choice(const char *name, const char *first, const char *second)
+{
+	const char *v = getenv(name);
+
+	if (!v || !*v)
+		return -1;
+	if (strcmp(v, first) == 0)
+		return 0;
+	if (strcmp(v, second) == 0)
+		return 1;
+	gh_log_once(GH_P_BAD_ENV, "%s=\"%.40s\": expected %s or %s; recording off", name, v,
+		    first, second);
+	return -2;
+}
+
 static int read_config(uint32_t *capacity, uint32_t *hook_flags, int *allow_tsc)
 {
 	const char *v;
 	long n;
+	int clock, trace;
 
 	*capacity = GH_RING_DEFAULT_RECORDS;
 	*hook_flags = 0;
 	*allow_tsc = 1;
 
-	v = getenv("GREYHOUND_CLOCK");
-	if (v && *v) {
-		if (strcmp(v, "monotonic") == 0)
-			*allow_tsc = 0;
-		else if (strcmp(v, "auto") != 0) {
-			gh_log_once(GH_P_BAD_ENV, "GREYHOUND_CLOCK=\"%.40s\": expected auto or monotonic; recording off", v);
-			return -1;
-		}
-	}
-
-	v = getenv("GREYHOUND_TRACE");
-	if (v && *v) {
-		if (strcmp(v, "on") == 0)
-			*hook_flags |= GH_HOOK_TRACE;
-		else if (strcmp(v, "off") != 0) {
-			gh_log_once(GH_P_BAD_ENV, "GREYHOUND_TRACE=\"%.40s\": expected on or off; recording off", v);
-			return -1;
-		}
-	}
+	clock = env_choice("GREYHOUND_CLOCK", "auto", "monotonic");
+	if (clock == -2)
+		return -1;
+	if (clock == 1)
+		*allow_tsc = 0;
+	trace = env_choice("GREYHOUND_TRACE", "on", "off");
+	if (trace == -2)
+		return -1;
+	if (trace == 0)
+		*hook_flags |= GH_HOOK_TRACE;
 	v = getenv("GREYHOUND_PAUSE_TIMEOUT_S");
 	if (v && *v) {
 		char *end;
@@ -262,17 +273,85 @@ static int in_control_plane(void)
 	return v && strcmp(v, "1") == 0;
 }
 
+/* Where the parts of a ring of `capacity` records lie in its file. */
+struct ring_layout {
+	uint32_t capacity;
+	size_t comms_offset, records_offset, bytes;
+};
+
+static int ring_layout(uint32_t capacity, struct ring_layout *l)
+{
+	l->capacity = capacity;
+	l->comms_offset = GH_RING_HEADER_BYTES;
+	l->records_offset = l->comms_offset + GH_COMM_CAPACITY * sizeof(struct gh_comm_entry);
+	l->bytes = l->records_offset + (size_t)capacity * sizeof(struct gh_record);
+	if (capacity < GH_RING_MIN_RECORDS || capacity > GH_RING_MAX_RECORDS ||
+	    (capacity & (capacity - 1)) != 0 || l->records_offset % _Alignof(struct gh_record) != 0) {
+		gh_log_once(GH_P_RING_OPEN, "ring layout of %u records is not valid; recording off",
+			    capacity);
+		return -1;
+	}
+	return 0;
+}
+
+/* A string into a fixed-size field of the header: truncated if need be, terminated. */
+static void set_field(char *field, size_t size, const char *value)
+{
+	if (snprintf(field, size, "%s", value) >= (int)size)
+		field[size - 1] = '\0';
+}
+
+/* Fills the header of a new ring; its magic, written last, makes it one to readers. */
+static void write_header(struct gh_ring_header *hdr, const struct ring_layout *l, long rank,
+			 uint32_t hook_flags, int allow_tsc)
+{
+	const char *job = getenv("GREYHOUND_JOB_ID");
+	const char *node = getenv("SLURMD_NODENAME");
+	struct timespec rt;
+
+	hdr->version = GH_RING_VERSION;
+	hdr->header_bytes = GH_RING_HEADER_BYTES;
+	hdr->record_bytes = sizeof(struct gh_record);
+	hdr->capacity = l->capacity;
+	hdr->comms_offset = l->comms_offset;
+	hdr->comm_bytes = sizeof(struct gh_comm_entry);
+	hdr->comm_capacity = GH_COMM_CAPACITY;
+	hdr->records_offset = l->records_offset;
+	hdr->rank = (int32_t)rank;
+	hdr->pid = (int32_t)getpid();
+	/*
+	 * GH_HOOK_TSC is added by clock.c once the TSC is fitted (about 1 ms in);
+	 * a forked child inherits its parent's fit.
+	 */
+	if (gh_clock_init(allow_tsc) && __atomic_load_n(&gh_clock.mult, __ATOMIC_RELAXED))
+		hook_flags |= GH_HOOK_TSC;
+	clock_gettime(CLOCK_REALTIME, &rt);
+	hdr->t0_monotonic_ns = gh_mono_ns();
+	hdr->t0_realtime_ns = (uint64_t)rt.tv_sec * 1000000000ull + (uint64_t)rt.tv_nsec;
+	hdr->pause_timeout_ns = pause_timeout_ns;
+	hdr->hook_flags = hook_flags;
+	if (job)
+		set_field(hdr->job_id, sizeof(hdr->job_id), job);
+	if (gethostname(hdr->hostname, sizeof(hdr->hostname) - 1) < 0)
+		hdr->hostname[0] = '\0';
+	/* Several emulated Slurm nodes (slurmd -N) may share one host: the node says whose. */
+	if (node && *node)
+		set_field(hdr->node, sizeof(hdr->node), node);
+	else
+		memcpy(hdr->node, hdr->hostname, sizeof(hdr->node));
+	/* Magic last: a reader that sees it sees a complete header. */
+	__atomic_thread_fence(__ATOMIC_RELEASE);
+	memcpy(hdr->magic, GH_RING_MAGIC, sizeof(GH_RING_MAGIC));
+}
+
 static int open_ring(void)
 {
 	const char *dir = getenv("GREYHOUND_RUN_DIR");
-	const char *job = getenv("GREYHOUND_JOB_ID");
-	const char *node = getenv("SLURMD_NODENAME");
 	char path[4096];
 	uint32_t capacity, hook_flags;
 	int allow_tsc;
-	size_t bytes = 0, comms_offset, records_offset;
+	struct ring_layout l = { .bytes = 0 };
 	struct gh_ring_header *hdr = MAP_FAILED;
-	struct timespec rt;
 	long rank;
 	int fd = -1, rv = -1, created = 0;
 
@@ -287,15 +366,8 @@ static int open_ring(void)
 		goto fail;
 	rank = global_rank();
 	/* The layout, fixed here and kept in process-private memory (see hook.h). */
-	comms_offset = GH_RING_HEADER_BYTES;
-	records_offset = comms_offset + GH_COMM_CAPACITY * sizeof(struct gh_comm_entry);
-	bytes = records_offset + (size_t)capacity * sizeof(struct gh_record);
-	if (capacity < GH_RING_MIN_RECORDS || capacity > GH_RING_MAX_RECORDS ||
-	    (capacity & (capacity - 1)) != 0 || records_offset % _Alignof(struct gh_record) != 0) {
-		gh_log_once(GH_P_RING_OPEN, "ring layout of %u records is not valid; recording off",
-			    capacity);
+	if (ring_layout(capacity, &l) < 0)
 		goto fail;
-	}
 
 	fd = open_ring_file(dir, rank, path, sizeof(path));
 	if (fd < 0) {
@@ -304,59 +376,24 @@ static int open_ring(void)
 		goto fail;
 	}
 	created = 1;
-	if (reserve(fd, bytes) < 0) {
+	if (reserve(fd, l.bytes) < 0) {
 		gh_log_once(GH_P_RING_OPEN, "cannot reserve %zu bytes for %.200s: %s; recording off",
-			    bytes, path, strerror(errno));
+			    l.bytes, path, strerror(errno));
 		goto fail;
 	}
-	hdr = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	hdr = mmap(NULL, l.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	if (hdr == MAP_FAILED) {
 		gh_log_once(GH_P_RING_OPEN, "cannot map %.200s: %s; recording off", path,
 			    strerror(errno));
 		goto fail;
 	}
-
-	prefault((char *)hdr, bytes);
-	hdr->version = GH_RING_VERSION;
-	hdr->header_bytes = GH_RING_HEADER_BYTES;
-	hdr->record_bytes = sizeof(struct gh_record);
-	hdr->capacity = capacity;
-	hdr->comms_offset = comms_offset;
-	hdr->comm_bytes = sizeof(struct gh_comm_entry);
-	hdr->comm_capacity = GH_COMM_CAPACITY;
-	hdr->records_offset = records_offset;
-	hdr->rank = (int32_t)rank;
-	hdr->pid = (int32_t)getpid();
-	/*
-	 * GH_HOOK_TSC is added by clock.c once the TSC is fitted (about 1 ms in);
-	 * a forked child inherits its parent's fit.
-	 */
-	if (gh_clock_init(allow_tsc) && __atomic_load_n(&gh_clock.mult, __ATOMIC_RELAXED))
-		hook_flags |= GH_HOOK_TSC;
-	clock_gettime(CLOCK_REALTIME, &rt);
-	hdr->t0_monotonic_ns = gh_mono_ns();
-	hdr->t0_realtime_ns = (uint64_t)rt.tv_sec * 1000000000ull + (uint64_t)rt.tv_nsec;
-	hdr->pause_timeout_ns = pause_timeout_ns;
-	hdr->hook_flags = hook_flags;
-	if (job && snprintf(hdr->job_id, sizeof(hdr->job_id), "%s", job) >= (int)sizeof(hdr->job_id))
-		hdr->job_id[sizeof(hdr->job_id) - 1] = '\0'; /* truncated, still terminated */
-	if (gethostname(hdr->hostname, sizeof(hdr->hostname) - 1) < 0)
-		hdr->hostname[0] = '\0';
-	/* Several emulated Slurm nodes (slurmd -N) may share one host: the node says whose. */
-	if (node && *node) {
-		if (snprintf(hdr->node, sizeof(hdr->node), "%s", node) >= (int)sizeof(hdr->node))
-			hdr->node[sizeof(hdr->node) - 1] = '\0'; /* truncated, still terminated */
-	} else {
-		memcpy(hdr->node, hdr->hostname, sizeof(hdr->node));
-	}
-	/* Magic last: a reader that sees it sees a complete header. */
-	__atomic_thread_fence(__ATOMIC_RELEASE);
-	memcpy(hdr->magic, GH_RING_MAGIC, sizeof(GH_RING_MAGIC));
+	prefault((char *)hdr, l.bytes);
+	write_header(hdr, &l, rank, hook_flags, allow_tsc);
 
 	/* From the private values, never from the header just written (see hook.h). */
-	gh_records = (struct gh_record *)((char *)hdr + records_offset);
+	gh_records = (struct gh_record *)((char *)hdr + l.records_offset);
 	gh_mask = capacity - 1;
-	gh_comm_table = (struct gh_comm_entry *)((char *)hdr + comms_offset);
+	gh_comm_table = (struct gh_comm_entry *)((char *)hdr + l.comms_offset);
 	gh_comm_capacity = GH_COMM_CAPACITY;
 	gh_trace = (hook_flags & GH_HOOK_TRACE) != 0;
 	gh_hdr = hdr;
@@ -364,7 +401,7 @@ static int open_ring(void)
 	rv = 0;
 fail:
 	if (hdr != MAP_FAILED)
-		munmap(hdr, bytes);
+		munmap(hdr, l.bytes);
 	if (fd >= 0)
 		close(fd);
 	if (rv < 0 && created)
