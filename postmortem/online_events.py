@@ -80,7 +80,7 @@ class PlacedEvent:
     """One line for a person, e.g. "verdict: compute fail-slow at rank 5 on n3, ..."."""
 
     def to_json(self) -> dict:
-        detail = {k: v for k, v in self.event.items() if k not in ("time", "kind")}
+        detail = {k: _plain(v) for k, v in self.event.items() if k not in ("time", "kind")}
         return {"time": self.event["time"], "kind": self.event["kind"], "since_start_s": round(self.since_start_s, 3),
                 "step": self.step, "step_text": self.step_text,
                 "plot_x": None if self.plot_x is None else round(self.plot_x, 4),
@@ -98,6 +98,23 @@ class OnlineEvents:
 
     def to_json(self) -> list[dict]:
         return [p.to_json() for p in self.placed]
+
+
+MAX_DETAIL_DEPTH = 6
+
+
+def _plain(value, depth: int = 0):
+    """A logged field as strict JSON: NaN and infinities as null, nesting deeper than
+    MAX_DETAIL_DEPTH as "..." (the log is the job user's to write)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (dict, list)) and depth >= MAX_DETAIL_DEPTH:
+        return "..."
+    if isinstance(value, dict):
+        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v, depth + 1) for v in value]
+    return value
 
 
 def step_clock(trace: Trace) -> StepClock | None:

@@ -267,6 +267,18 @@ def test_bad_lines_are_skipped_and_counted(tmp_path):
     assert [p.summary for p in placed] == ["verdict"]
 
 
+def test_the_json_detail_is_strict_and_shallow(tmp_path):
+    """NaN (a GEMM ratio without references) becomes null, deep nesting "..."."""
+    append_event(tmp_path, "validated", paused=True, results=[{"key": "compute:5", "rank": 5, "ratio": float("nan")}],
+                 deep={"a": {"b": {"c": {"d": {"e": {"f": {"g": 1}}}}}}})
+    placed = load_online_events(tmp_path, _trace(3), analysed_steps=np.arange(3)).placed
+    detail = placed[0].to_json()["detail"]
+    assert detail["results"][0]["ratio"] is None
+    assert detail["deep"] == {"a": {"b": {"c": {"d": {"e": {"f": "..."}}}}}}   # 6 levels below the field
+    json.dumps(placed[0].to_json(), allow_nan=False)
+    assert placed[0].summary == "validated: compute:5 not confirmed"
+
+
 def test_the_count_cap_keeps_the_last_events(tmp_path):
     with open(tmp_path / EVENTS_FILE, "w") as f:
         for i in range(events_mod.MAX_EVENTS + 50):
