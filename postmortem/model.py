@@ -241,6 +241,9 @@ def _observe(trace: Trace, *, where: str) -> _Observed:
     rows, step_numbers, damaged_step, damage_note = _usable_rows(trace, where=where)
     num_steps = step_numbers.size
     rows, gc_events, gc_note = _split_gc_events(rows, D=D, P=P, num_steps=num_steps)
+    if rows.step_idx.size == 0:
+        raise InputError(f"{where}: no usable op row: every row is damaged (NaN or negative times, "
+                         f"ranks outside dp < {D}, pp < {P}) or an irregular GC pause")
     keys, max_occ, cell = _template_keys(rows, D=D, P=P, num_steps=num_steps)
     start, duration, traced, step_time = _dense_cells(rows, cell, shape=(keys.size, D, num_steps))
     notes = (*trace.dropped, *(note for note in (damage_note, gc_note) if note))
@@ -352,9 +355,11 @@ def _whole_steps(observed: _Observed, *, num_stages: int, where: str) -> _Kept:
     frac = traced[:, :, usable].mean(axis=2) if usable.any() else np.zeros(traced.shape[:2])
     expected = frac >= 0.5  # (n_t, D)
     mismatch = (traced != expected[:, :, None]).any(axis=(0, 1))
-    if mismatch.any():
-        notes += (f"{int((mismatch & usable).sum())} step(s) with missing or extra ops "
-                  f"(truncated or unmatched) dropped: steps {_fmt_list(observed.step_numbers[mismatch & usable])}",)
+    # a damaged step misses its damaged rows: it is already in the damaged-rows note
+    mismatched = mismatch & usable
+    if mismatched.any():
+        notes += (f"{int(mismatched.sum())} step(s) with missing or extra ops "
+                  f"(truncated or unmatched) dropped: steps {_fmt_list(observed.step_numbers[mismatched])}",)
     keep_steps = usable & ~mismatch
     if not keep_steps.any():
         raise InputError(f"{where}: no whole step in the trace (every step has missing or damaged ops)")
