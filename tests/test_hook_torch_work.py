@@ -106,7 +106,7 @@ def test_works_only_their_futures_wait_on_are_not_kept(tmp_path):
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "True wait [1.0, 1.0]\n", "")
 
 
-# _Waits on its own, with a stand-in for the hook: what its patched wait writes.
+# _WaitRecorder on its own, with a stand-in for the hook: what its patched wait writes.
 
 class StubHook:
     """gh_py_begin / gh_py_end_head / gh_py_record, keeping what they were given."""
@@ -148,7 +148,7 @@ def wait_head(req, flags=0):
 @pytest.fixture
 def waits(monkeypatch):
     monkeypatch.setattr(cap, "_logged", set())
-    return cap._Waits(StubHook())
+    return cap._WaitRecorder(StubHook())
 
 
 def test_wait_writes_its_calls_record_once_and_passes_through(waits):

@@ -8,10 +8,15 @@ module:
 2. does nothing more unless GREYHOUND_RUN_DIR is set (the greyhound environment);
 3. otherwise arranges for torch.distributed, whenever the program imports it, to be
    wrapped by ``_greyhound_capture.py`` (next to this file) so that gloo's
-   collectives and p2p land in the hook's ring. torch itself is never imported here.
+   collectives and p2p land in the hook's ring, and then for
+   DistributedDataParallel, whenever the program imports it, to be patched by
+   ``_greyhound_ddp.py`` so that its gradient buckets do too. torch itself is never
+   imported here.
 
-It never raises and never prints: a Python without torch, an old torch or a missing
-hook library leaves the program exactly as it was.
+This is the capture's one import hook: a finder that notices the first import of
+each module it waits for and runs what waits for it right after the module's own
+code. It never raises and never prints: a Python without torch, an old torch or a
+missing hook library leaves the program exactly as it was.
 """
 
 import importlib.abc
@@ -21,7 +26,8 @@ import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_TARGET = "torch.distributed"
+_TORCH_DISTRIBUTED = "torch.distributed"
+_DDP_MODULE = "torch.nn.parallel.distributed"
 
 
 def _chain() -> None:
@@ -34,55 +40,88 @@ def _chain() -> None:
     spec.loader.exec_module(module)
 
 
-def _load_capture():
-    path = os.path.join(_HERE, "_greyhound_capture.py")
-    spec = importlib.util.spec_from_file_location("_greyhound_capture", path)
-    if spec is None or spec.loader is None:
-        return None
+def _load(name: str):
+    """The capture's module name (name.py next to this file), loaded once, as a
+    top-level module."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, name + ".py"))
     module = importlib.util.module_from_spec(spec)
-    sys.modules["_greyhound_capture"] = module
-    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     return module
 
 
-def _patch(dist) -> None:
+def _run_quietly(then, module) -> None:
     try:
-        capture = sys.modules.get("_greyhound_capture") or _load_capture()
-        if capture is not None:
-            capture.patch(dist)
+        then(module)
     except Exception:  # noqa: BLE001  (fail open: the program runs unrecorded)
         pass
 
 
 class _Loader(importlib.abc.Loader):
-    """Runs torch.distributed's own loader, then wraps its calls."""
+    """Runs a module's own loader, then what waits for the module."""
 
-    def __init__(self, loader) -> None:
+    def __init__(self, loader, then) -> None:
         self._loader = loader
+        self._then = then
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
-        _patch(module)
+        _run_quietly(self._then, module)
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Notices the import of torch.distributed (once) and hands it to _Loader."""
+    """Notices the first import of each module waited for and hands it to _Loader;
+    leaves sys.meta_path when it waits for nothing more."""
+
+    def __init__(self) -> None:
+        self.waiting: dict = {}     # module name -> then(module)
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _TARGET:
+        then = self.waiting.pop(fullname, None)
+        if then is None:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        if not self.waiting and self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)   # (no longer waited for: not us again)
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _Loader(spec.loader)
+        spec.loader = _Loader(spec.loader, then)
         return spec
+
+
+_FINDER = _Finder()
+
+
+def _when_imported(name: str, then) -> None:
+    """Runs then(module) right after the module called name is imported; at once if
+    it already is (or is being imported: then sees it half made)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        _run_quietly(then, module)
+        return
+    _FINDER.waiting[name] = then
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+
+
+def _capture_torch_distributed(dist) -> None:
+    hook = _load("_greyhound_capture").patch(dist)
+    if hook is not None:
+        _when_imported(_DDP_MODULE,
+                       lambda ddp_module: _load("_greyhound_ddp").patch(ddp_module, hook, dist))
 
 
 def _install() -> None:
@@ -91,10 +130,7 @@ def _install() -> None:
     sys._greyhound_capture_installed = True
     if not os.environ.get("GREYHOUND_RUN_DIR"):
         return
-    if _TARGET in sys.modules:
-        _patch(sys.modules[_TARGET])
-    else:
-        sys.meta_path.insert(0, _Finder())
+    _when_imported(_TORCH_DISTRIBUTED, _capture_torch_distributed)
 
 
 try:

@@ -40,6 +40,30 @@ typedef uint64_t (*gh_end_head_fn)(const void *head);
 static gh_begin_fn gh_begin;
 static gh_end_head_fn gh_end_head;
 
+/*
+ * The capture's GroupInfo (a typing.NamedTuple), read here by position. bind()
+ * takes its field names and refuses a capture whose fields are not these, in
+ * this order.
+ */
+enum group_info_field {
+	GROUP_COMM_ID,
+	GROUP_SIZE,
+	GROUP_RANK,
+	GROUP_SKIP_ALL,
+	GROUP_SKIP_CUDA,
+	GROUP_HEADS,
+	NUM_GROUP_FIELDS
+};
+
+static const char *const group_info_fields[NUM_GROUP_FIELDS] = {
+	[GROUP_COMM_ID] = "comm_id",
+	[GROUP_SIZE] = "size",
+	[GROUP_RANK] = "rank",
+	[GROUP_SKIP_ALL] = "skip_all",
+	[GROUP_SKIP_CUDA] = "skip_cuda",
+	[GROUP_HEADS] = "heads",
+};
+
 /* Interned attribute and keyword names. */
 static PyObject *s_on, *s_groups, *s_gate, *s_world, *s_default_pg, *s_nbytes, *s_is_cuda,
 	*s_group, *s_async_op;
@@ -76,7 +100,7 @@ static int is_given(PyObject *value)
  * 0 (call fn unrecorded, as the Python wrapper would), -1 (leave it to the
  * Python wrapper). Never leaves an exception set.
  *
- * A group's description comes from hook.groups (id(group) -> (group, info)),
+ * A group's description comes from hook.groups (id(group) -> (group, GroupInfo)),
  * which the Python wrapper fills on the group's first call; jobs alternate
  * between groups (PP sends, DP all-reduces), so one "last group" would not do.
  */
@@ -112,19 +136,19 @@ static int plan(FastCall *self, PyObject *args, PyObject *kwargs, struct gh_py_h
 	if (!entry || !PyTuple_Check(entry) || PyTuple_Size(entry) != 2 || PyTuple_GetItem(entry, 0) != pg)
 		goto out;   /* a group met for the first time: described in Python */
 	info = PyTuple_GetItem(entry, 1);
-	if (!info || !PyTuple_Check(info) || PyTuple_Size(info) < 5)
+	if (!info || !PyTuple_Check(info) || PyTuple_Size(info) != NUM_GROUP_FIELDS)
 		goto out;
-	head->comm_id = PyLong_AsUnsignedLongLong(PyTuple_GetItem(info, 0));
+	head->comm_id = PyLong_AsUnsignedLongLong(PyTuple_GetItem(info, GROUP_COMM_ID));
 	if (PyErr_Occurred())
 		goto out;
-	flag = PyObject_IsTrue(PyTuple_GetItem(info, 3));      /* skip_all */
+	flag = PyObject_IsTrue(PyTuple_GetItem(info, GROUP_SKIP_ALL));
 	if (flag) {
 		ret = flag > 0 ? 0 : -1;
 		goto out;
 	}
 	tensor = self->size_name != Py_None ? get_arg(args, kwargs, self->i_size, self->size_name) : NULL;
 	if (is_given(tensor)) {
-		if (PyObject_IsTrue(PyTuple_GetItem(info, 4)) == 1) {   /* skip_cuda */
+		if (PyObject_IsTrue(PyTuple_GetItem(info, GROUP_SKIP_CUDA)) == 1) {
 			value = PyObject_GetAttr(tensor, s_is_cuda);
 			flag = value ? PyObject_IsTrue(value) : -1;
 			Py_XDECREF(value);
@@ -301,16 +325,50 @@ static PyType_Spec fastcall_spec = {
 	.slots = fastcall_slots,
 };
 
+/* 0 if fields (a tuple of str) names group_info_fields in order, else -1 with an error set. */
+static int check_group_info_fields(PyObject *fields)
+{
+	PyObject *expected, *name;
+	int same = PyTuple_Check(fields) && PyTuple_Size(fields) == NUM_GROUP_FIELDS;
+
+	for (Py_ssize_t i = 0; same && i < NUM_GROUP_FIELDS; i++) {
+		name = PyTuple_GetItem(fields, i);
+		same = name && PyUnicode_Check(name) &&
+		       PyUnicode_CompareWithASCIIString(name, group_info_fields[i]) == 0;
+	}
+	if (same)
+		return 0;
+	PyErr_Clear();
+	expected = PyTuple_New(NUM_GROUP_FIELDS);
+	for (Py_ssize_t i = 0; expected && i < NUM_GROUP_FIELDS; i++) {
+		name = PyUnicode_FromString(group_info_fields[i]);
+		if (!name || PyTuple_SetItem(expected, i, name) < 0) {
+			Py_CLEAR(expected);
+			break;
+		}
+	}
+	if (expected) {
+		PyErr_Format(PyExc_ValueError, "the capture's GroupInfo fields are %R, but this fast path "
+			     "reads %R: rebuild it with the capture it is installed with", fields, expected);
+		Py_DECREF(expected);
+	}
+	return -1;
+}
+
 /*
- * bind(begin, end_head): the addresses of the hook's gh_py_begin_call (or, from a
- * hook before call numbers, gh_py_begin: same signature) and gh_py_end_head.
+ * bind(begin, end_head, group_info_fields): the addresses of the hook's
+ * gh_py_begin_call (or, from a hook before call numbers, gh_py_begin: same
+ * signature) and gh_py_end_head, and the capture's GroupInfo._fields.
  */
 static PyObject *bind(PyObject *module, PyObject *args)
 {
 	unsigned long long begin, end_head;
+	PyObject *fields;
 
 	(void)module;
-	if (!PyArg_ParseTuple(args, "KK", &begin, &end_head))
+	if (!PyArg_ParseTuple(args, "KKO", &begin, &end_head, &fields))
+		return NULL;
+	if (check_group_info_fields(fields) < 0)
 		return NULL;
 	if (!begin || !end_head) {
 		PyErr_SetString(PyExc_ValueError, "bind() needs the addresses of gh_py_begin_call and gh_py_end_head");
@@ -322,7 +380,9 @@ static PyObject *bind(PyObject *module, PyObject *args)
 }
 
 static PyMethodDef module_methods[] = {
-	{"bind", bind, METH_VARARGS, "bind(begin, end_head): the hook's gh_py_begin_call and gh_py_end_head."},
+	{"bind", bind, METH_VARARGS,
+	 "bind(begin, end_head, group_info_fields): the hook's gh_py_begin_call and gh_py_end_head, "
+	 "and the capture's GroupInfo._fields (checked)."},
 	{NULL, NULL, 0, NULL},
 };
 

@@ -42,13 +42,13 @@ def counting(name):
 def break_capture(name):
     """Fault injection for the fallback checks; returns its undo. A no-op without
     the capture."""
-    cap = sys.modules.get("_greyhound_capture")
-    if cap is None:
+    cap, ddp = sys.modules.get("_greyhound_capture"), sys.modules.get("_greyhound_ddp")
+    if cap is None or ddp is None:
         return lambda: None
 
     def fail(*args, **kwargs):
         raise RuntimeError(f"injected failure ({name})")
-    owner, attr = (cap._DDP, "unsuitable") if name == "broken" else (cap.HOOK, "record")
+    owner, attr = (ddp.DDPCapture, "unsuitable") if name == "broken" else (cap.HOOK, "record")
     saved = getattr(owner, attr)
     setattr(owner, attr, fail)
     return lambda: setattr(owner, attr, saved)
