@@ -196,21 +196,43 @@ def merge_trace_dir(
     """
     trace_dir = Path(trace_dir)
     where = str(trace_dir)
+    ranks = _read_rank_files(trace_dir, where=where)
+    complete, dropped = _complete_steps(ranks, where=where)
+    headers = [r.header for r in ranks]
+    split_by_step = _microbatch_split_by_step(ranks, complete, dp=int(headers[0]["job"]["dp"]))
+    ops = _op_columns(ranks, complete)
+    try:
+        meta = _job_meta(headers, split_by_step=split_by_step, job_id=job_id, dropped=dropped, where=where)
+    except ValueError as exc:
+        raise InputError(f"{where}: inconsistent job metadata: {exc}") from None
+    out = Path(out_path) if out_path is not None else trace_dir / TRACE_FILE_NAME
+    write_trace(out, ops=ops, workers=_worker_columns(headers), meta=meta, seqlens=_seqlen_columns(ranks, complete))
+    log.info("%s: merged %d ops of %d steps from %d ranks into %s", where, ops["step"].size, len(complete), len(ranks), out)
+    return out
+
+
+def _read_rank_files(trace_dir: Path, *, where: str) -> list[RankTimeline]:
+    """Every rank file of the trace dir, in file-name order; InputError for none or for
+    two ranks that claim one (dp, pp) worker."""
     files = sorted(trace_dir.glob("rank-*.jsonl"))
     if not files:
         raise InputError(f"{where}: no rank-*.jsonl timeline files in this directory")
     ranks = [read_rank_file(p) for p in files]
-    headers = [r.header for r in ranks]
     seen: dict[tuple[int, int], int] = {}
-    for h in headers:
+    for h in (r.header for r in ranks):
         key = (int(h["dp_rank"]), int(h["pp_rank"]))
         if key in seen:
             raise InputError(f"{where}: ranks {seen[key]} and {h['rank']} both claim dp_rank {key[0]}, pp_rank {key[1]}")
         seen[key] = int(h["rank"])
-    dp, pp = int(headers[0]["job"]["dp"]), int(headers[0]["job"]["pp"])
+    job = ranks[0].header["job"]
+    dp, pp = int(job["dp"]), int(job["pp"])
     if len(ranks) != dp * pp:
         log.warning("%s: %d rank files for a dp=%d x pp=%d job; merging what is there", where, len(ranks), dp, pp)
+    return ranks
 
+
+def _complete_steps(ranks: list[RankTimeline], *, where: str) -> tuple[list[int], list[int]]:
+    """(the steps every rank recorded, the others), both sorted; InputError for none."""
     all_steps = set().union(*(r.steps for r in ranks))
     complete = sorted(s for s in all_steps if all(s in r.steps for r in ranks))
     dropped = sorted(all_steps - set(complete))
@@ -218,25 +240,30 @@ def merge_trace_dir(
         log.warning("%s: steps %s were not recorded by every rank; dropped", where, dropped)
     if not complete:
         raise InputError(f"{where}: no step was recorded by every rank ({len(ranks)} rank files)")
+    return complete, dropped
 
-    # Micro-batches of each DP replica per step, from the replica's first stage.
+
+def _microbatch_split_by_step(ranks: list[RankTimeline], steps: list[int], *, dp: int) -> dict[int, tuple[int, ...]]:
+    """Micro-batches of each DP replica per step, from the replica's first stage; a step
+    some replica's first stage did not record is left out."""
     split_by_step: dict[int, tuple[int, ...]] = {}
-    for step in complete:
+    for step in steps:
         counts = [0] * dp
         for r in ranks:
             if int(r.header["pp_rank"]) == 0 and int(r.header["dp_rank"]) < dp:
                 counts[int(r.header["dp_rank"])] = int(r.steps[step]["num_microbatches"])
         if all(counts):
             split_by_step[step] = tuple(counts)
+    return split_by_step
 
+
+def _op_columns(ranks: list[RankTimeline], steps: list[int]) -> dict[str, np.ndarray]:
+    """The op rows of ``steps`` from every rank, sorted by (step, dp, pp, start)."""
     cols: dict[str, list] = {name: [] for name in OP_COLUMNS}
-    seq_step, seq_dp, seq_mb, seq_lengths = [], [], [], []
-    seen_seq: set[tuple[int, int, int]] = set()
     for r in ranks:
         d, p = int(r.header["dp_rank"]), int(r.header["pp_rank"])
-        for step in complete:
-            record = r.steps[step]
-            for optype, mb, chunk, start, duration in record["ops"]:
+        for step in steps:
+            for optype, mb, chunk, start, duration in r.steps[step]["ops"]:
                 cols["step"].append(step)
                 cols["microbatch"].append(mb)
                 cols["pp_rank"].append(p)
@@ -245,47 +272,51 @@ def merge_trace_dir(
                 cols["optype"].append(optype_code(optype))
                 cols["start"].append(start)
                 cols["duration"].append(duration)
-            for mb, lengths in record["seqlens"]:
+    ops = {name: np.asarray(values, dtype=OP_COLUMNS[name]) for name, values in cols.items()}
+    order = np.lexsort((ops["start"], ops["pp_rank"], ops["dp_rank"], ops["step"]))
+    return {name: col[order] for name, col in ops.items()}
+
+
+def _seqlen_columns(ranks: list[RankTimeline], steps: list[int]) -> dict[str, np.ndarray] | None:
+    """The sequence lengths of ``steps`` per (step, dp, micro-batch), sorted; None if no
+    rank noted any.  Any stage may note them: the first copy in rank-file order is kept."""
+    seq_step, seq_dp, seq_mb, seq_lengths = [], [], [], []
+    seen: set[tuple[int, int, int]] = set()
+    for r in ranks:
+        d = int(r.header["dp_rank"])
+        for step in steps:
+            for mb, lengths in r.steps[step]["seqlens"]:
                 key = (step, d, int(mb))
-                if key in seen_seq:  # any stage may note them; keep one copy
+                if key in seen:
                     continue
-                seen_seq.add(key)
+                seen.add(key)
                 seq_step.append(step)
                 seq_dp.append(d)
                 seq_mb.append(int(mb))
                 seq_lengths.append(lengths)
-    ops = {name: np.asarray(values, dtype=OP_COLUMNS[name]) for name, values in cols.items()}
-    order = np.lexsort((ops["start"], ops["pp_rank"], ops["dp_rank"], ops["step"]))
-    ops = {name: col[order] for name, col in ops.items()}
-
-    seqlens = None
-    if seq_step:
-        order = np.lexsort((np.asarray(seq_mb), np.asarray(seq_dp), np.asarray(seq_step)))
-        counts = np.asarray([len(seq_lengths[i]) for i in order], dtype=np.int64)
-        seqlens = {
-            "step": np.asarray(seq_step)[order],
-            "dp_rank": np.asarray(seq_dp)[order],
-            "microbatch": np.asarray(seq_mb)[order],
-            "offsets": np.concatenate([[0], np.cumsum(counts)]),
-            "lengths": np.asarray([x for i in order for x in seq_lengths[i]], dtype=np.int32),
-        }
-
-    by_worker = sorted(headers, key=lambda h: int(h["rank"]))
-    workers = {
-        "rank": np.asarray([int(h["rank"]) for h in by_worker]),
-        "dp_rank": np.asarray([int(h["dp_rank"]) for h in by_worker]),
-        "pp_rank": np.asarray([int(h["pp_rank"]) for h in by_worker]),
-        "node": np.asarray([str(h["node"]) for h in by_worker]),
-        "device": np.asarray([str(h["device"]) for h in by_worker]),
+    if not seq_step:
+        return None
+    order = np.lexsort((np.asarray(seq_mb), np.asarray(seq_dp), np.asarray(seq_step)))
+    counts = np.asarray([len(seq_lengths[i]) for i in order], dtype=np.int64)
+    return {
+        "step": np.asarray(seq_step)[order],
+        "dp_rank": np.asarray(seq_dp)[order],
+        "microbatch": np.asarray(seq_mb)[order],
+        "offsets": np.concatenate([[0], np.cumsum(counts)]),
+        "lengths": np.asarray([x for i in order for x in seq_lengths[i]], dtype=np.int32),
     }
-    try:
-        meta = _job_meta(headers, split_by_step=split_by_step, job_id=job_id, dropped=dropped, where=where)
-    except ValueError as exc:
-        raise InputError(f"{where}: inconsistent job metadata: {exc}") from None
-    out = Path(out_path) if out_path is not None else trace_dir / TRACE_FILE_NAME
-    write_trace(out, ops=ops, workers=workers, meta=meta, seqlens=seqlens)
-    log.info("%s: merged %d ops of %d steps from %d ranks into %s", where, ops["step"].size, len(complete), len(ranks), out)
-    return out
+
+
+def _worker_columns(headers: list[dict]) -> dict[str, np.ndarray]:
+    """One row per traced worker, by global rank."""
+    by_rank = sorted(headers, key=lambda h: int(h["rank"]))
+    return {
+        "rank": np.asarray([int(h["rank"]) for h in by_rank]),
+        "dp_rank": np.asarray([int(h["dp_rank"]) for h in by_rank]),
+        "pp_rank": np.asarray([int(h["pp_rank"]) for h in by_rank]),
+        "node": np.asarray([str(h["node"]) for h in by_rank]),
+        "device": np.asarray([str(h["device"]) for h in by_rank]),
+    }
 
 
 @click.command("merge-trace")
