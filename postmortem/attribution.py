@@ -71,63 +71,31 @@ def attribute(
 ) -> Attribution:
     """Run every what-if scenario of ``model`` and attribute the slowdown."""
     ideal = ideal or idealize(model, estimator=estimator, outlier_z=outlier_z)
-    n_t, D, P = model.num_template_ops, model.dp, model.pp
+    D, P = model.dp, model.pp
     groups = report_groups(model)
-    masks: list[np.ndarray] = []
-    names: list[tuple[str, object]] = []
-
-    def add(kind: str, key, mask_td: np.ndarray) -> None:
-        masks.append(mask_td)
-        names.append((kind, key))
-
-    ones = np.ones((n_t, D), bool)
-    add("replay", None, ones)
-    add("ideal", None, ~ones)
-    for name, m in groups.items():
-        add("optype", name, np.repeat(m[:, None], D, axis=1))
-    for d in range(D):
-        mk = np.zeros((n_t, D), bool)
-        mk[:, d] = True
-        add("dp", d, mk)
-    for p in range(P):
-        add("pp", p, np.repeat((model.t_pp == p)[:, None], D, axis=1))
-    add("ms", None, np.repeat((model.t_pp != P - 1)[:, None], D, axis=1))
     exact = D * P <= EXACT_WORKER_LIMIT
-    if exact:
-        for d in range(D):
-            for p in range(P):
-                mk = np.zeros((n_t, D), bool)
-                mk[model.t_pp == p, d] = True
-                add("worker", (d, p), mk)
-    res = simulate(model, ideal=ideal.work, keep_real=np.stack(masks))
-    step = res.step_time  # (S, N)
+    masks, scenario = _scenario_masks(model, groups, per_worker=exact)
+    step = simulate(model, ideal=ideal.work, keep_real=masks).step_time  # (scenarios, N)
     T = step.mean(axis=1)
-    idx = {k: i for i, k in enumerate(names)}
-    t_rep = T[idx[("replay", None)]]
-    t_id = T[idx[("ideal", None)]]
-    by_optype = {name: float(T[idx[("optype", name)]] / t_id) for name in groups}
-    by_dp = {str(d): float(T[idx[("dp", d)]] / t_id) for d in range(D)}
-    by_pp = {str(p): float(T[idx[("pp", p)]] / t_id) for p in range(P)}
+    replay, ideal_run = scenario[("replay", None)], scenario[("ideal", None)]
+    t_rep, t_id = T[replay], T[ideal_run]
+    by_optype = {name: float(T[scenario[("optype", name)]] / t_id) for name in groups}
+    by_dp = {str(d): float(T[scenario[("dp", d)]] / t_id) for d in range(D)}
+    by_pp = {str(p): float(T[scenario[("pp", p)]] / t_id) for p in range(P)}
     gap = t_rep - t_id
-    ms = float((t_rep - T[idx[("ms", None)]]) / gap) if abs(gap) > 1e-12 else 0.0
+    ms = float((t_rep - T[scenario[("ms", None)]]) / gap) if abs(gap) > 1e-12 else 0.0
     if P == 1:
         ms = 0.0  # no pipeline: no last stage to blame (the study's convention)
     if exact:
-        ws = np.array([[T[idx[("worker", (d, p))]] / t_id for p in range(P)] for d in range(D)])
+        ws = np.array([[T[scenario[("worker", (d, p))]] / t_id for p in range(P)] for d in range(D)])
     else:
         # the study's approximation: a worker is as slow as the lesser of its DP and PP rank
         ws = np.minimum(
             np.array([by_dp[str(d)] for d in range(D)])[:, None],
             np.array([by_pp[str(p)] for p in range(P)])[None, :],
         )
-    k = max(1, math.ceil(TOP_WORKER_FRACTION * D * P))
-    # ties (the approximation makes many) broken by the worker's own compute ratio
-    order = np.lexsort((-ideal.cell_ratio.ravel(), -ws.ravel()))[:k]
-    top = [(int(i // P), int(i % P)) for i in order]
-    keep = np.ones((n_t, D), bool)
-    for d, p in top:
-        keep[model.t_pp == p, d] = False
-    t_rem = simulate(model, ideal=ideal.work, keep_real=keep[None]).step_time.mean()
+    top = _top_workers(ws, ideal.cell_ratio)
+    t_rem = simulate(model, ideal=ideal.work, keep_real=_all_but_workers(model, top)[None]).step_time.mean()
     mw = float((t_rep - t_rem) / gap) if abs(gap) > 1e-12 else 0.0
     t_real = float(model.real_step_time.mean())
     return Attribution(
@@ -144,11 +112,59 @@ def attribute(
         mw=mw,
         ms=ms,
         mw_workers=top,
-        step_slowdown=step[idx[("replay", None)]] / step[idx[("ideal", None)]],
-        step_replay=step[idx[("replay", None)]],
-        step_ideal=step[idx[("ideal", None)]],
+        step_slowdown=step[replay] / step[ideal_run],
+        step_replay=step[replay],
+        step_ideal=step[ideal_run],
         ideal=ideal,
     )
+
+
+def _scenario_masks(model: Model, groups: dict[str, np.ndarray], *, per_worker: bool
+                    ) -> tuple[np.ndarray, dict[tuple[str, object], int]]:
+    """The what-if scenarios: (S, n_t, D) masks of the ops each keeps real (the rest are
+    idealised), and the index of each scenario by (kind, key).
+
+    ``replay`` keeps every op real, ``ideal`` none; ``optype``, ``dp``, ``pp`` and
+    (with ``per_worker``) ``worker`` keep that op type, DP rank, PP rank or (dp, pp)
+    worker real; ``ms`` keeps all but the last stage real.
+    """
+    n_t, D, P = model.num_template_ops, model.dp, model.pp
+
+    def on_every_dp_rank(ops: np.ndarray) -> np.ndarray:
+        return np.repeat(ops[:, None], D, axis=1)
+
+    named: list[tuple[tuple[str, object], np.ndarray]] = [
+        (("replay", None), np.ones((n_t, D), bool)),
+        (("ideal", None), np.zeros((n_t, D), bool)),
+    ]
+    named += [(("optype", name), on_every_dp_rank(ops)) for name, ops in groups.items()]
+    for d in range(D):
+        mask = np.zeros((n_t, D), bool)
+        mask[:, d] = True
+        named.append((("dp", d), mask))
+    named += [(("pp", p), on_every_dp_rank(model.t_pp == p)) for p in range(P)]
+    named.append((("ms", None), on_every_dp_rank(model.t_pp != P - 1)))
+    if per_worker:
+        named += [(("worker", (d, p)), ~_all_but_workers(model, [(d, p)])) for d in range(D) for p in range(P)]
+    return np.stack([mask for _, mask in named]), {name: i for i, (name, _) in enumerate(named)}
+
+
+def _all_but_workers(model: Model, workers: list[tuple[int, int]]) -> np.ndarray:
+    """(n_t, D) mask of every op but those of the (dp, pp) ``workers``."""
+    keep = np.ones((model.num_template_ops, model.dp), bool)
+    for d, p in workers:
+        keep[model.t_pp == p, d] = False
+    return keep
+
+
+def _top_workers(worker_slowdown: np.ndarray, cell_ratio: np.ndarray) -> list[tuple[int, int]]:
+    """The top TOP_WORKER_FRACTION of the (D, P) workers by S_w (at least one), as
+    (dp, pp); ties (the approximation makes many) broken by the worker's own compute
+    ratio."""
+    D, P = worker_slowdown.shape
+    k = max(1, math.ceil(TOP_WORKER_FRACTION * D * P))
+    order = np.lexsort((-cell_ratio.ravel(), -worker_slowdown.ravel()))[:k]
+    return [(int(i // P), int(i % P)) for i in order]
 
 
 def optype_code_of(name: str) -> int:
