@@ -206,8 +206,10 @@ def merge_trace_dir(
     except ValueError as exc:
         raise InputError(f"{where}: inconsistent job metadata: {exc}") from None
     out = Path(out_path) if out_path is not None else trace_dir / TRACE_FILE_NAME
-    write_trace(out, ops=ops, workers=_worker_columns(headers), meta=meta, seqlens=_seqlen_columns(ranks, complete))
-    log.info("%s: merged %d ops of %d steps from %d ranks into %s", where, ops["step"].size, len(complete), len(ranks), out)
+    write_trace(out, ops=ops, workers=_worker_columns(headers), meta=meta,
+                seqlens=_seqlen_columns(ranks, complete))
+    log.info("%s: merged %d ops of %d steps from %d ranks into %s",
+             where, ops["step"].size, len(complete), len(ranks), out)
     return out
 
 
@@ -222,7 +224,8 @@ def _read_rank_files(trace_dir: Path, *, where: str) -> list[RankTimeline]:
     for h in (r.header for r in ranks):
         key = (int(h["dp_rank"]), int(h["pp_rank"]))
         if key in seen:
-            raise InputError(f"{where}: ranks {seen[key]} and {h['rank']} both claim dp_rank {key[0]}, pp_rank {key[1]}")
+            raise InputError(
+                f"{where}: ranks {seen[key]} and {h['rank']} both claim dp_rank {key[0]}, pp_rank {key[1]}")
         seen[key] = int(h["rank"])
     job = ranks[0].header["job"]
     dp, pp = int(job["dp"]), int(job["pp"])

@@ -389,17 +389,18 @@ def _ordered_with_step_starts(template: _Template, *, num_stages: int) -> _Templ
     present instances (ties by op code), the step-start op first."""
     P, n_t = num_stages, template.pp.size
     D, N = template.present.shape[1], template.start.shape[2]
-    # a stage with no op on a DP rank (never in practice) starts at 0
-    first_start = np.stack([np.where(template.present[template.pp == p][:, :, None], template.start[template.pp == p],
-                                     np.inf).min(axis=0) for p in range(P)])  # (P, D, N)
-    first_start[~np.isfinite(first_start)] = 0.0
+    first_start = np.stack([
+        np.where(template.present[on_stage][:, :, None], template.start[on_stage], np.inf).min(axis=0)
+        for on_stage in (template.pp == p for p in range(P))
+    ])  # (P, D, N)
+    first_start[~np.isfinite(first_start)] = 0.0  # a stage with no op on a DP rank (never in practice)
     pp = np.concatenate([template.pp, np.arange(P)])
     code = np.concatenate([template.code, np.full(P, STEP_START_CODE)])
     occ = np.concatenate([template.occ, np.zeros(P, template.occ.dtype)])
     present = np.concatenate([template.present, np.ones((P, D), bool)])
-    # S * present is S itself when every op is present (x * 1.0 == x): skip the copy
+    # start * present is start itself when every op is present (x * 1.0 == x): skip the copy
     weighted = template.start if template.present.all() else template.start * template.present[:, :, None]
-    instances = np.maximum(np.broadcast_to(template.present[:, :, None], (n_t, D, N)).sum(axis=(1, 2)), 1)
+    instances = np.maximum(template.present.sum(axis=1) * N, 1)
     mean_start = np.concatenate([weighted.sum(axis=(1, 2)) / instances, np.full(P, -1.0)])
     order = np.lexsort((occ, code, mean_start, pp))
     # gather the ordered tensors straight from the template's and the step-start ops'
@@ -416,8 +417,8 @@ def _ordered_with_step_starts(template: _Template, *, num_stages: int) -> _Templ
 def _groups(template: _Template, *, num_stages: int, where: str) -> tuple[np.ndarray, np.ndarray]:
     """The cross-rank groups of the template (see the module doc).
 
-    Returns ((n_t,) group of each op, numbered in order of their first op, (n_groups,)
-    bool: the group reduces over DP ranks too).  InputError for a p2p op whose peer is
+    Returns ((n_t,) group of each op, numbered 0 .. n_groups - 1, (n_groups,) bool: the
+    group reduces over DP ranks too).  InputError for a p2p op whose peer is
     on no stage.
     """
     pp, code, occ, P = template.pp, template.code, template.occ, num_stages
