@@ -211,7 +211,7 @@ def test_vectorised_posterior_matches_a_per_hypothesis_reference():
 
 def test_labelled_jobs_are_classified_correctly():
     # Seeds different from the benchmark's; small jobs so the test stays fast.
-    jobs = labelled_series(seed=11, num_jobs=8, min_iterations=400, max_iterations=600)
+    jobs = labelled_series(np.random.default_rng(11), num_jobs=8, min_iterations=400, max_iterations=600)
     for x, truth in jobs:
         cps = bocdv_changepoints(x)
         slow = [c for c in cps if c.ratio > 1]

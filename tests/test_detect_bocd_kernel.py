@@ -54,7 +54,7 @@ def _libm_is_numpys():
 @pytest.mark.parametrize("exact_math", [False, True])
 def test_labelled_jobs_give_the_references_change_points(exact_math):
     # The benchmark's generator with other seeds; scripts/bench_detect checks all 400.
-    jobs = labelled_series(seed=7, num_jobs=60, min_iterations=300, max_iterations=900)
+    jobs = labelled_series(np.random.default_rng(7), num_jobs=60, min_iterations=300, max_iterations=900)
     found = 0
     for x, _ in jobs:
         kernel = BocdV(exact_math=exact_math)
@@ -69,7 +69,7 @@ def test_labelled_jobs_give_the_references_change_points(exact_math):
 def test_exact_math_posterior_is_bit_identical_to_the_reference():
     if not _libm_is_numpys():
         pytest.skip("numpy's float64 exp/log are not libm's on this CPU (AVX-512)")
-    x, _ = labelled_series(seed=3, num_jobs=1, min_iterations=600, max_iterations=600)[0]
+    x, _ = labelled_series(np.random.default_rng(3), num_jobs=1, min_iterations=600, max_iterations=600)[0]
     kernel, reference = BocdV(exact_math=True), ReferenceBocdV()
     for value in x.tolist():
         assert kernel.update(value) == reference.update(value)

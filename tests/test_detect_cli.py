@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from greyhound.analytics.synthetic import OP_NAMES, FailSlow, call_trace
+from greyhound import ring
+from greyhound.analytics.synthetic import FailSlow, call_trace
 from greyhound.cli import main
 
 SCRIPT = Path(sys.executable).parent / "greyhound"
@@ -31,7 +32,7 @@ def _write_series(path, x, with_time=False):
 def _write_trace(path, trace):
     lines = ["time,op,comm,bytes"]
     for t, op, comm, nbytes in zip(trace.time, trace.op, trace.comm, trace.nbytes):
-        lines.append(f"{float(t)!r},{OP_NAMES[op]},{int(comm):#x},{int(nbytes)}")
+        lines.append(f"{float(t)!r},{ring.OP_NAMES[op]},{int(comm):#x},{int(nbytes)}")
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -52,7 +53,7 @@ def test_series_json_has_the_fixed_fields(tmp_path):
 
 def test_call_trace_json_reports_period_and_fail_slow(tmp_path):
     fs = FailSlow(onset=80, end=140, factor=1.6, ramp=0)
-    trace, truth = call_trace(seed=2, num_iterations=200, fail_slows=(fs,))
+    trace, truth = call_trace(np.random.default_rng(2), num_iterations=200, fail_slows=(fs,))
     result = _run("--json", str(_write_trace(tmp_path / "t.csv", trace)))
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)

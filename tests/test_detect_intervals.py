@@ -3,11 +3,12 @@
 import numpy as np
 import pytest
 
+from greyhound import ring
 from greyhound.analytics.baselines import window_changepoints
 from greyhound.analytics.changepoint import ChangePoint, RecentValues
 from greyhound.analytics.detect import METHODS, detect_series
 from greyhound.analytics.intervals import healthy_level, slow_intervals
-from greyhound.analytics.synthetic import OP_NAMES, call_trace, iteration_series, labelled_series
+from greyhound.analytics.synthetic import call_trace, iteration_series, labelled_series
 
 
 def _cp(index):
@@ -84,12 +85,12 @@ def test_unknown_method_is_refused():
 
 
 def test_generators_are_deterministic_per_seed():
-    a = labelled_series(seed=3, num_jobs=4, min_iterations=300, max_iterations=400)
-    b = labelled_series(seed=3, num_jobs=4, min_iterations=300, max_iterations=400)
+    a = labelled_series(np.random.default_rng(3), num_jobs=4, min_iterations=300, max_iterations=400)
+    b = labelled_series(np.random.default_rng(3), num_jobs=4, min_iterations=300, max_iterations=400)
     for (xa, ta), (xb, tb) in zip(a, b):
         np.testing.assert_array_equal(xa, xb)
         assert ta == tb
-    c = labelled_series(seed=4, num_jobs=4, min_iterations=300, max_iterations=400)
+    c = labelled_series(np.random.default_rng(4), num_jobs=4, min_iterations=300, max_iterations=400)
     assert not np.array_equal(a[0][0], c[0][0])
 
 
@@ -110,12 +111,12 @@ def test_generated_fail_slows_follow_their_spec(seed):
 
 
 def test_call_trace_has_one_op_sequence_per_iteration():
-    trace, truth = call_trace(seed=1, num_iterations=5, warmup_calls=3)
+    trace, truth = call_trace(np.random.default_rng(1), num_iterations=5, warmup_calls=3)
     per_iter = truth.calls_per_iteration
     assert len(trace.op) == 3 + 5 * per_iter
     np.testing.assert_array_equal(trace.op[3 : 3 + per_iter], trace.op[3 + per_iter : 3 + 2 * per_iter])
     assert np.all(np.diff(trace.time) > 0)
-    assert {OP_NAMES[o] for o in trace.op[3:]} == {"Recv", "Send", "AllReduce", "ReduceScatter", "AllGather"}
+    assert {ring.OP_NAMES[o] for o in trace.op[3:]} == {"Recv", "Send", "AllReduce", "ReduceScatter", "AllGather"}
     owner = truth.call_iteration
     for i in range(5):
         t = trace.time[owner == i]

@@ -27,7 +27,7 @@ def _splits(rng, n):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_is_a_detector_whatever_the_batches(method):
-    jobs = labelled_series(seed=4, num_jobs=6, min_iterations=300,
+    jobs = labelled_series(np.random.default_rng(4), num_jobs=6, min_iterations=300,
                            max_iterations=700)
     rng = np.random.default_rng(9)
     found = 0
@@ -87,7 +87,7 @@ def test_bocd_constants_have_one_source():
 def _tracked():
     """The node agent's tracker on a call trace with a fail-slow: its change points."""
     fs = FailSlow(onset=100, end=200, factor=1.5, ramp=0)
-    trace, _ = call_trace(seed=2, num_iterations=200, fail_slows=(fs,))
+    trace, _ = call_trace(np.random.default_rng(2), num_iterations=200, fail_slows=(fs,))
     tracker = RankTracker()
     tracker.feed(ring_records(trace))
     tracker.finish()
@@ -116,7 +116,7 @@ def test_the_analytics_run_without_the_compiled_kernel():
         from greyhound.analytics.synthetic import labelled_series
         from tests.test_detect_methods import _tracked
         assert "greyhound.analytics._bocdv" not in sys.modules
-        jobs = labelled_series(seed=4, num_jobs=3, min_iterations=300,
+        jobs = labelled_series(np.random.default_rng(4), num_jobs=3, min_iterations=300,
                                max_iterations=500)
         out = {"have_kernel": verify.HAVE_KERNEL, "bocdv": verify.BocdV.__name__,
                "tracker": _tracked(),
@@ -132,7 +132,7 @@ def test_the_analytics_run_without_the_compiled_kernel():
     assert got["bocdv"] == "ReferenceBocdV"
     assert got["tracker"] == _tracked() and got["tracker"]
     assert "cannot be imported: blocked by the test; run scripts/setup" in run.stderr
-    jobs = labelled_series(seed=4, num_jobs=3, min_iterations=300,
+    jobs = labelled_series(np.random.default_rng(4), num_jobs=3, min_iterations=300,
                            max_iterations=500)
     want = [[[c.index, c.detected_at, c.before, c.after]
              for c in detect_series(x, method=m).changepoints] for x, _ in jobs for m in METHODS]

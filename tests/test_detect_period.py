@@ -198,7 +198,7 @@ def test_ring_records_are_read_by_field_name():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_generated_trace_iteration_times_are_close_to_truth(seed):
-    trace, truth = call_trace(seed=seed, num_iterations=120, eval_every=40)
+    trace, truth = call_trace(np.random.default_rng(seed), num_iterations=120, eval_every=40)
     calls = iteration_times_from_calls(trace.op, trace.comm, trace.nbytes, trace.time)
     assert calls.period == truth.calls_per_iteration
     assert calls.start == 120  # the warm-up calls
@@ -210,6 +210,6 @@ def test_generated_trace_iteration_times_are_close_to_truth(seed):
 
 def test_generated_trace_shows_a_fail_slow():
     fs = FailSlow(onset=60, end=100, factor=1.5, ramp=0)
-    trace, truth = call_trace(seed=4, num_iterations=150, fail_slows=(fs,))
+    trace, truth = call_trace(np.random.default_rng(4), num_iterations=150, fail_slows=(fs,))
     times = iteration_times_from_calls(trace.op, trace.comm, trace.nbytes, trace.time).iteration_times
     assert np.median(times[65:95]) / np.median(times[10:50]) == pytest.approx(1.5, rel=0.03)

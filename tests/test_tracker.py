@@ -156,7 +156,7 @@ def test_brief_disturbances_are_no_fail_slow(layout):
 
 
 def test_the_numbering_never_shifts_and_gives_the_hooks_call_numbers():
-    trace, truth = call_trace(seed=3, num_iterations=120, warmup_calls=30)
+    trace, truth = call_trace(np.random.default_rng(3), num_iterations=120, warmup_calls=30)
     records = ring_records(trace)
     p = truth.calls_per_iteration
     tracker = RankTracker()
@@ -183,8 +183,8 @@ def test_the_numbering_never_shifts_and_gives_the_hooks_call_numbers():
 
 def test_a_new_pattern_is_locked_again_and_the_numbers_go_on():
     # 300 iterations of one layout, then a re-split (another pattern, 80 iterations).
-    a, _ = call_trace(seed=1, num_iterations=300, tp=2, pp=2, microbatches=4, warmup_calls=20)
-    b, truth_b = call_trace(seed=2, num_iterations=200, tp=2, pp=2, microbatches=2,
+    a, _ = call_trace(np.random.default_rng(1), num_iterations=300, tp=2, pp=2, microbatches=4, warmup_calls=20)
+    b, truth_b = call_trace(np.random.default_rng(2), num_iterations=200, tp=2, pp=2, microbatches=2,
                             warmup_calls=0)
     op = np.concatenate((a.op, b.op))
     comm = np.concatenate((a.comm, b.comm))
@@ -264,7 +264,7 @@ def test_the_clock_does_not_depend_on_the_batches(seed, cuts):
     layout = dict(tp=int(rng.choice([1, 2, 8])), pp=int(rng.choice([1, 2])),
                   microbatches=int(rng.choice([1, 4, 16])), warmup_calls=int(rng.integers(0, 300)),
                   eval_every=int(rng.choice([0, 30])))
-    trace, _ = call_trace(seed=seed, num_iterations=60, **layout)
+    trace, _ = call_trace(np.random.default_rng(seed), num_iterations=60, **layout)
     n = len(trace.op)
     whole = iteration_times_from_calls(trace.op, trace.comm, trace.nbytes, trace.time)
     clock = IterationClock(ClockConfig(confirm_calls=256))
@@ -432,7 +432,7 @@ def test_a_lock_on_a_motif_is_withdrawn_once_the_calls_show_the_iteration():
     # calls, of which the first 128 repeat at lag 2. With no warm-up, 256 calls of
     # them confirm period 2; the check at 512 calls (3.9 iterations) finds 131, the
     # iterations of period 2 are withdrawn, and 131 locks after 16 periods.
-    trace, truth = call_trace(seed=5, num_iterations=60, tp=1, pp=2, microbatches=32,
+    trace, truth = call_trace(np.random.default_rng(5), num_iterations=60, tp=1, pp=2, microbatches=32,
                               layers=1, warmup_calls=0)
     assert truth.calls_per_iteration == 131
     records = ring_records(trace)
@@ -569,7 +569,7 @@ def test_healthy_fail_slow_and_numbers_on_a_labelled_sample():
 
 def test_fail_slow_in_a_generated_hybrid_trace():
     fs = FailSlow(onset=80, end=140, factor=1.6, ramp=0)
-    trace, truth = call_trace(seed=2, num_iterations=200, fail_slows=(fs,))
+    trace, truth = call_trace(np.random.default_rng(2), num_iterations=200, fail_slows=(fs,))
     tracker = RankTracker()
     tracker.feed(ring_records(trace))
     (interval,) = tracker.slow_intervals()

@@ -50,7 +50,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from greyhound.analytics.synthetic import OP_NAMES, CallTrace, FailSlow, iteration_series
+from greyhound import ring
+from greyhound.analytics.synthetic import (
+    COMM_DP, COMM_WORLD, CallTrace, FailSlow, hybrid_pattern, iteration_series,
+)
 
 __all__ = [
     "GENERATORS",
@@ -164,12 +167,9 @@ class _Series:
         return True
 
     def fail_slow(self, onset: int, end: int, factor: float, ramp: int = 0) -> None:
-        ramp = min(ramp, (end - onset) // 2)
-        shape = np.ones(end - onset)
-        if ramp:
-            shape[:ramp] = np.arange(1, ramp + 1) / ramp
-        self.log_x[onset:end] += np.log(factor) * shape
-        self.fail_slows.append(FailSlow(onset=onset, end=end, factor=factor, ramp=ramp))
+        fs = FailSlow(onset=onset, end=end, factor=factor, ramp=min(ramp, (end - onset) // 2))
+        self.log_x[onset:end] += np.log(factor) * fs.profile()
+        self.fail_slows.append(fs)
 
     def place(self, count: int, durations: Callable[[], int], gap: int = 40) -> list[tuple[int, int]]:
         """``count`` non-overlapping [onset, end) spans after 60 healthy iterations,
@@ -184,7 +184,10 @@ class _Series:
             out.append((onset, min(self.n, onset + duration)))
         return out
 
-    def done(self, generator: str) -> tuple[np.ndarray, JobTruth]:
+    def done(self, generator: str, *, steps: int = 0) -> tuple[np.ndarray, JobTruth]:
+        """The series and its truth, after ``steps`` fail-slow steps (:func:`_steps`)."""
+        if steps:
+            _steps(self, steps)
         x = np.exp(self.log_x)
         truth = JobTruth(
             generator=generator, fail_slows=tuple(sorted(self.fail_slows, key=lambda f: f.onset)),
@@ -220,26 +223,28 @@ def _gc(s: _Series, *, burst_prob: float) -> None:
         at += every + int(s.rng.integers(-3, 4))
 
 
-def gc_pauses(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int = 0):
-    """Python GC pauses at a steady rhythm, a few followed by a 2-iteration burst."""
-    s = _Series(rng, num_iterations)
+def _with_gc(
+    rng: np.random.Generator, n: int, *, burst_prob: float, jitter: float | None = None
+) -> _Series:
+    """A healthy series: Gaussian jitter, benign shifts and GC pauses, ``burst_prob``
+    of them followed by 2 slow iterations."""
+    s = _Series(rng, n, jitter=jitter)
     s.gaussian_jitter()
     s.benign_shifts()
-    _gc(s, burst_prob=0.2)
-    if num_fail_slows:
-        _steps(s, num_fail_slows)
-    return s.done("gc_pauses")
+    _gc(s, burst_prob=burst_prob)
+    return s
+
+
+def gc_pauses(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int = 0):
+    """Python GC pauses at a steady rhythm, a few followed by a 2-iteration burst."""
+    s = _with_gc(rng, num_iterations, burst_prob=0.2)
+    return s.done("gc_pauses", steps=num_fail_slows)
 
 
 def gc_bursts(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int = 0):
     """Every GC pause is followed by a 2-iteration burst (3 slow iterations in all)."""
-    s = _Series(rng, num_iterations)
-    s.gaussian_jitter()
-    s.benign_shifts()
-    _gc(s, burst_prob=1.0)
-    if num_fail_slows:
-        _steps(s, num_fail_slows)
-    return s.done("gc_bursts")
+    s = _with_gc(rng, num_iterations, burst_prob=1.0)
+    return s.done("gc_bursts", steps=num_fail_slows)
 
 
 def heavy_tailed(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int = 0):
@@ -248,9 +253,7 @@ def heavy_tailed(rng: np.random.Generator, *, num_iterations: int, num_fail_slow
     df = float(rng.uniform(2.0, 4.0))
     s.log_x += s.jitter * rng.standard_t(df, num_iterations)
     s.benign_shifts()
-    if num_fail_slows:
-        _steps(s, num_fail_slows)
-    return s.done("heavy_tailed")
+    return s.done("heavy_tailed", steps=num_fail_slows)
 
 
 def ar1_jitter(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int = 0):
@@ -269,9 +272,7 @@ def ar1_jitter(rng: np.random.Generator, *, num_iterations: int, num_fail_slows:
     if span > 0.04:
         drift *= 0.04 / span
     s.log_x += noise + drift - drift[0]
-    if num_fail_slows:
-        _steps(s, num_fail_slows)
-    return s.done("ar1_jitter")
+    return s.done("ar1_jitter", steps=num_fail_slows)
 
 
 def periodic_eval(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int = 0):
@@ -289,9 +290,7 @@ def periodic_eval(rng: np.random.Generator, *, num_iterations: int, num_fail_slo
     for at in range(every - 1, num_iterations, every):
         if not s.transient(at, [float(rng.uniform(2.0, 11.0))]):
             s.transient(at + 4, [float(rng.uniform(2.0, 11.0))])
-    if num_fail_slows:
-        _steps(s, num_fail_slows)
-    return s.done("periodic_eval")
+    return s.done("periodic_eval", steps=num_fail_slows)
 
 
 def loader_stalls(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int = 0):
@@ -303,9 +302,7 @@ def loader_stalls(rng: np.random.Generator, *, num_iterations: int, num_fail_slo
     for at in np.flatnonzero(rng.random(num_iterations) < rate):
         length = 1 if rng.random() < 0.7 else 2
         s.transient(int(at), rng.uniform(1.2, 4.0, length))
-    if num_fail_slows:
-        _steps(s, num_fail_slows)
-    return s.done("loader_stalls")
+    return s.done("loader_stalls", steps=num_fail_slows)
 
 
 def seqlen_mix(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int = 0):
@@ -329,9 +326,7 @@ def seqlen_mix(rng: np.random.Generator, *, num_iterations: int, num_fail_slows:
         pick[i] = pick[i - 1] if keep[i] else draws[i]
     s.log_x += modes[pick] - np.median(modes[pick])
     s.gaussian_jitter()
-    if num_fail_slows:
-        _steps(s, num_fail_slows)
-    return s.done("seqlen_mix")
+    return s.done("seqlen_mix", steps=num_fail_slows)
 
 
 def warmup(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int = 0):
@@ -347,30 +342,20 @@ def warmup(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int
     if kind in ("partial", "both"):
         s.log_x[0] = np.log(s.base * rng.uniform(0.5, 0.95))
     _gc(s, burst_prob=0.2)
-    if num_fail_slows:
-        _steps(s, num_fail_slows)
-    return s.done("warmup")
+    return s.done("warmup", steps=num_fail_slows)
 
 
 def steps(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int = 0):
     """Fail-slow steps of several severities, 1.1-3x, each followed by recovery; GC
     pauses as background."""
-    s = _Series(rng, num_iterations)
-    s.gaussian_jitter()
-    s.benign_shifts()
-    _gc(s, burst_prob=0.1)
-    if num_fail_slows:
-        _steps(s, num_fail_slows)
-    return s.done("steps")
+    s = _with_gc(rng, num_iterations, burst_prob=0.1)
+    return s.done("steps", steps=num_fail_slows)
 
 
 def ramps(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int = 0):
     """Fail-slows that creep in linearly (in log time) over 10-60 iterations to
     1.15-2.5x, hold, and end."""
-    s = _Series(rng, num_iterations)
-    s.gaussian_jitter()
-    s.benign_shifts()
-    _gc(s, burst_prob=0.1)
+    s = _with_gc(rng, num_iterations, burst_prob=0.1)
     if num_fail_slows:
         for onset, end in s.place(num_fail_slows, lambda: _log_uniform_int(s.rng, 80, 600)):
             s.fail_slow(onset, end, float(rng.uniform(1.15, 2.5)), int(rng.integers(10, 61)))
@@ -379,10 +364,7 @@ def ramps(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int 
 
 def short_episodes(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int = 0):
     """True fail-slows of only 5-15 iterations, 1.3-3x (a brief CPU contention)."""
-    s = _Series(rng, num_iterations, jitter=float(rng.uniform(0.003, 0.02)))
-    s.gaussian_jitter()
-    s.benign_shifts()
-    _gc(s, burst_prob=0.1)
+    s = _with_gc(rng, num_iterations, burst_prob=0.1, jitter=float(rng.uniform(0.003, 0.02)))
     if num_fail_slows:
         for onset, end in s.place(num_fail_slows, lambda: int(s.rng.integers(5, 16))):
             s.fail_slow(onset, end, float(rng.uniform(1.3, 3.0)))
@@ -392,10 +374,7 @@ def short_episodes(rng: np.random.Generator, *, num_iterations: int, num_fail_sl
 def relapses(rng: np.random.Generator, *, num_iterations: int, num_fail_slows: int = 0):
     """A fail-slow (30-300 iterations, 1.2-2.5x), a short recovery (10-30), a relapse
     (30-300, 1.15-2x): both episodes must be found, the recovery between them too."""
-    s = _Series(rng, num_iterations)
-    s.gaussian_jitter()
-    s.benign_shifts()
-    _gc(s, burst_prob=0.1)
+    s = _with_gc(rng, num_iterations, burst_prob=0.1)
     if num_fail_slows:
         # One relapse pair per slot (the count asked for, as pairs).
         slots = max(1, num_fail_slows // 2 + num_fail_slows % 2)
@@ -443,7 +422,9 @@ def labelled_set(
     """Labelled jobs from every generator (or those named), from the split's seeds.
 
     Job k of generator g has the seed sequence (seed, split id, g's index, k): any job
-    can be regenerated alone, and the splits never share one. The first
+    can be regenerated alone, and the splits never share one. (So a set is defined by
+    ``seed``, not by an ``rng``: it makes each job's generator from its own sequence,
+    the one place this module makes one; the generators take it.) The first
     ``round(jobs_per_generator * positive_fraction)`` jobs of each generator are
     positive (1-3 fail-slows; relapses come as pairs), the rest healthy.
 
@@ -474,10 +455,6 @@ def labelled_set(
     return out
 
 
-# Op codes of rendered traces index synthetic.OP_NAMES.
-_AR, _AG, _RS, _BC, _SEND, _RECV, _BARRIER = range(len(OP_NAMES))
-
-
 def render_calls(
     rng: np.random.Generator,
     x: np.ndarray,
@@ -491,8 +468,9 @@ def render_calls(
     ``sum(x[:i])``; its compute (x[i] less its pause) is spread over fixed fractions
     of it where the calls sit, the first one at a fraction drawn from
     ``first_call_at`` ("ddp": the bucket AllReduces evenly from there to 0.9, the loss
-    AllReduce at 0.93; "hybrid": the rest at random fractions up to 0.95); its pause, if any, sits at a random point of it (calls after
-    that point wait for it). Warm-up Broadcasts and a Barrier come first.
+    AllReduce at 0.93; "hybrid": the rest at random fractions up to 0.95); its pause,
+    if any, sits at a random point of it (calls after that point wait for it).
+    Warm-up Broadcasts and a Barrier come first.
 
     Where the first call sits matters: an iteration is measured from its first call
     to the next iteration's (:class:`~greyhound.analytics.period.IterationClock`), so
@@ -503,15 +481,14 @@ def render_calls(
         rng: the random generator.
         x: (n,) iteration times, seconds.
         layout: "ddp" (3 bucket AllReduces and a loss AllReduce per iteration) or
-            "hybrid" (TP x PP, 1F1B: per micro-batch a Recv, 2 TP AllReduces and a
-            Send, forward then backward, then the DP ReduceScatter/AllGather; 4
-            micro-batches).
+            "hybrid" (:func:`~greyhound.analytics.synthetic.hybrid_pattern` with TP 2,
+            PP 2, 4 micro-batches and 2 layers).
         warmup_calls: Broadcast calls before the first iteration (the last one a
             Barrier).
         first_call_at: range of the first call's offset, as a fraction of the
-            iteration; default (0.3, 0.6) for "ddp" (the first gradient bucket's AllReduce comes
-            in the middle of the backward pass) and (0, 0.05) for "hybrid" (the first
-            pipeline Recv opens the forward pass).
+            iteration; default (0.3, 0.6) for "ddp" (the first gradient bucket's
+            AllReduce comes in the middle of the backward pass) and (0, 0.05) for
+            "hybrid" (the first pipeline Recv opens the forward pass).
         pause: (n,) seconds of each iteration that are one pause (``truth.pause``);
             default none.
 
@@ -519,51 +496,53 @@ def render_calls(
         (trace, iteration_start): iteration_start is (n + 1,) seconds.
     """
     x = np.asarray(x, dtype=np.float64)
-    tp, pp, dp, world = 0x1A, 0x2B, 0x3C, 0x4D
-    if layout == "ddp":
-        pattern = [(_AR, dp, 25 << 20)] * 3 + [(_AR, world, 8)]
-    elif layout == "hybrid":
-        pattern = []
-        for direction in range(2):
-            for _ in range(4):
-                pattern += [(_RECV, pp, 4 << 20)]
-                pattern += [(_AR, tp, (4 << 20) * (1 + direction))] * 2
-                pattern += [(_SEND, pp, 4 << 20)]
-        pattern += [(_RS, dp, 256 << 20), (_AG, dp, 256 << 20), (_AR, world, 8)]
-    else:
+    pattern = _LAYOUTS.get(layout)
+    if pattern is None:
         raise ValueError(f"layout must be 'ddp' or 'hybrid', got {layout!r}")
-    p = len(pattern)
-    if first_call_at is None:
-        first_call_at = (0.3, 0.6) if layout == "ddp" else (0.0, 0.05)
-    first = rng.uniform(*first_call_at)
-    if layout == "ddp":
-        # Gradient buckets through the backward pass, the loss AllReduce at its end.
-        offsets = np.concatenate((np.linspace(first, 0.9, p - 1), [0.93]))
-    else:
-        offsets = np.sort(np.concatenate(([first], rng.uniform(first, 0.95, p - 1))))
-    offsets[1:] = np.maximum(offsets[1:], offsets[:-1] + 1e-6)
-    t0 = 1.0 + warmup_calls * 1e-3
-    starts = t0 + np.concatenate(([0.0], np.cumsum(x)))
+    offsets = _call_offsets(rng, layout, len(pattern), first_call_at)
+    starts = 1.0 + warmup_calls * 1e-3 + np.concatenate(([0.0], np.cumsum(x)))
     held = np.zeros(len(x)) if pause is None else np.clip(np.asarray(pause, float), 0.0, x)
     compute = x - held
     at = rng.random(len(x))
     times = (starts[:-1, None] + offsets[None, :] * compute[:, None]
              + np.where(offsets[None, :] > at[:, None], held[:, None], 0.0)).reshape(-1)
-    ops = np.array([c[0] for c in pattern] * len(x), dtype=np.int64)
-    comms = np.array([c[1] for c in pattern] * len(x), dtype=np.int64)
-    sizes = np.array([c[2] for c in pattern] * len(x), dtype=np.int64)
-    w_times = 1.0 + np.arange(warmup_calls) * 1e-3
-    w_ops = np.full(warmup_calls, _BC, dtype=np.int64)
+    op, comm, nbytes = (np.array(column * len(x), dtype=np.int64)
+                        for column in map(list, zip(*pattern)))
     w_sizes = rng.integers(1, 64, warmup_calls) << 16
+    w_ops = np.full(warmup_calls, ring.OP["Broadcast"], dtype=np.int64)
     if warmup_calls:
-        w_ops[-1], w_sizes[-1] = _BARRIER, 0
+        w_ops[-1], w_sizes[-1] = ring.OP["Barrier"], 0
     trace = CallTrace(
-        op=np.concatenate((w_ops, ops)),
-        comm=np.concatenate((np.full(warmup_calls, world, dtype=np.int64), comms)),
-        nbytes=np.concatenate((w_sizes, sizes)),
-        time=np.concatenate((w_times, times)),
+        op=np.concatenate((w_ops, op)),
+        comm=np.concatenate((np.full(warmup_calls, COMM_WORLD, dtype=np.int64), comm)),
+        nbytes=np.concatenate((w_sizes, nbytes)),
+        time=np.concatenate((1.0 + np.arange(warmup_calls) * 1e-3, times)),
     )
     return trace, starts
+
+
+_LAYOUTS = {
+    "ddp": [(ring.OP["AllReduce"], COMM_DP, 25 << 20)] * 3
+    + [(ring.OP["AllReduce"], COMM_WORLD, 8)],
+    "hybrid": hybrid_pattern(tp=2, pp=2, microbatches=4, layers=2),
+}
+"""Calls per iteration of :func:`render_calls`' layouts (op code, comm id, bytes)."""
+
+
+def _call_offsets(
+    rng: np.random.Generator, layout: str, num_calls: int, first_call_at: tuple[float, float] | None
+) -> np.ndarray:
+    """(num_calls,) increasing fractions of an iteration's compute where its calls sit."""
+    if first_call_at is None:
+        first_call_at = (0.3, 0.6) if layout == "ddp" else (0.0, 0.05)
+    first = rng.uniform(*first_call_at)
+    if layout == "ddp":
+        # Gradient buckets through the backward pass, the loss AllReduce at its end.
+        offsets = np.concatenate((np.linspace(first, 0.9, num_calls - 1), [0.93]))
+    else:
+        offsets = np.sort(np.concatenate(([first], rng.uniform(first, 0.95, num_calls - 1))))
+    offsets[1:] = np.maximum(offsets[1:], offsets[:-1] + 1e-6)
+    return offsets
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -682,7 +661,7 @@ def ring_records(
 ) -> np.ndarray:
     """A call trace as the hook's ring records (``greyhound.ring.RECORD_DTYPE``).
 
-    Each call becomes one record (op by name, comm_id, size_bytes, t_start_ns; t_end_ns
+    Each call becomes one record (op, comm_id, size_bytes, t_start_ns; t_end_ns
     ``duration`` of the gap to the next call later). With ``async_fraction``, that share
     of the calls (at random) are async (F_ASYNC, t_end_ns right after the start) and
     a WAIT record with their req_id follows, at their completion; a GROUP record sits
@@ -697,15 +676,12 @@ def ring_records(
     Returns:
         (m,) records in ring order, m >= number of calls.
     """
-    from greyhound import ring
-
     n = len(trace.time)
     t_ns = np.rint(trace.time * 1e9).astype(np.uint64)
     gap = np.diff(t_ns, append=t_ns[-1:] + np.uint64(1_000_000) if n else t_ns).astype(np.int64)
     end = t_ns + np.maximum(1, (gap * duration).astype(np.int64)).astype(np.uint64)
-    codes = np.array([ring.OP[name] for name in OP_NAMES], dtype=np.uint16)
     calls = np.zeros(n, dtype=ring.RECORD_DTYPE)
-    calls["op"] = codes[trace.op]
+    calls["op"] = trace.op
     calls["comm_id"] = trace.comm.astype(np.uint64)
     calls["size_bytes"] = trace.nbytes.astype(np.uint64)
     calls["t_start_ns"] = t_ns

@@ -4,7 +4,8 @@ They stand in for production traces when measuring detection quality: every nois
 source the paper names as a cause of false alarms is there (jitter, Python garbage
 collection, allocator cache misses, uneven sequence lengths), plus rare single outliers
 and small benign level shifts, and fail-slows of 1.1-2x lasting 20-600 iterations,
-some creeping in as a ramp. Each generator returns (signal, truth).
+some creeping in as a ramp. Each generator takes the caller's ``rng`` and returns
+(signal, truth). Call traces carry the hook's op codes (:data:`greyhound.ring.OP`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,13 @@ import dataclasses
 
 import numpy as np
 
+from greyhound.ring import OP
+
 __all__ = [
-    "OP_NAMES",
+    "COMM_TP",
+    "COMM_PP",
+    "COMM_DP",
+    "COMM_WORLD",
     "FailSlow",
     "SeriesTruth",
     "TraceTruth",
@@ -22,11 +28,11 @@ __all__ = [
     "iteration_series",
     "labelled_series",
     "call_trace",
+    "hybrid_pattern",
 ]
 
-OP_NAMES = ("AllReduce", "AllGather", "ReduceScatter", "Broadcast", "Send", "Recv", "Barrier")
-"""Op names of generated call traces; a trace's ``op`` holds indices into this."""
-_AR, _AG, _RS, _BC, _SEND, _RECV, _BARRIER = range(len(OP_NAMES))
+COMM_TP, COMM_PP, COMM_DP, COMM_WORLD = 0x1A, 0x2B, 0x3C, 0x4D
+"""Communicator ids of generated traces: tensor-, pipeline-, data-parallel, world."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,6 +44,14 @@ class FailSlow:
     factor: float
     ramp: int
     """Iterations over which the slowdown grows linearly to ``factor`` (0 = a step)."""
+
+    def profile(self) -> np.ndarray:
+        """(end - onset,) share of log(factor) each iteration carries: 1/ramp, 2/ramp,
+        ..., 1 over the ramp, then 1."""
+        shape = np.ones(self.end - self.onset)
+        if self.ramp:
+            shape[: self.ramp] = np.arange(1, self.ramp + 1) / self.ramp
+        return shape
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,10 +132,7 @@ def iteration_series(
         shifts.append((at, 1.0 + change))
     fail_slows = _place_fail_slows(rng, n, num_fail_slows)
     for fs in fail_slows:
-        ramp = np.ones(fs.end - fs.onset)
-        if fs.ramp:
-            ramp[: fs.ramp] = np.arange(1, fs.ramp + 1) / fs.ramp
-        log_x[fs.onset : fs.end] += np.log(fs.factor) * ramp
+        log_x[fs.onset : fs.end] += np.log(fs.factor) * fs.profile()
     truth = SeriesTruth(
         fail_slows=tuple(fail_slows), base=base, jitter=jitter,
         level_shifts=tuple(sorted(shifts)),
@@ -153,8 +164,8 @@ def _place_fail_slows(rng: np.random.Generator, n: int, count: int) -> list[Fail
 
 
 def labelled_series(
+    rng: np.random.Generator,
     *,
-    seed: int,
     num_jobs: int,
     positive_fraction: float = 0.5,
     min_iterations: int = 1000,
@@ -163,11 +174,13 @@ def labelled_series(
     """A labelled set of jobs; positives carry one (70%) or two fail-slows (two only
     in jobs of >= 400 iterations).
 
+    Args:
+        rng: the random generator (the caller seeds it).
+
     Returns:
-        [(x, truth)] in job order; the first round(num_jobs * positive_fraction) jobs
-        are not the positives, positives are spread at random.
+        [(x, truth)] in job order; round(num_jobs * positive_fraction) of them are
+        positives, spread at random.
     """
-    rng = np.random.default_rng(seed)
     positives = set(
         rng.choice(num_jobs, size=round(num_jobs * positive_fraction), replace=False).tolist()
     )
@@ -197,7 +210,8 @@ class TraceTruth:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CallTrace:
-    """One rank's calls: op indices into :data:`OP_NAMES`, comm ids, bytes, start times."""
+    """One rank's calls: op codes (:data:`greyhound.ring.OP`), comm ids, bytes, start
+    times (seconds), each (num_calls,)."""
 
     op: np.ndarray
     comm: np.ndarray
@@ -205,9 +219,74 @@ class CallTrace:
     time: np.ndarray
 
 
+def hybrid_pattern(
+    *, tp: int = 2, pp: int = 2, microbatches: int = 4, layers: int = 4
+) -> list[tuple[int, int, int]]:
+    """One iteration's calls of a middle-stage rank in a TP x DP x PP job (1F1B), as
+    (op code, comm id, bytes).
+
+    Per micro-batch: Recv activations (pp > 1), one TP AllReduce per layer (tp > 1; a
+    burst of identical calls), Send activations (pp > 1); then the same backwards; at
+    the iteration's end a ReduceScatter + AllGather of the gradients over DP and an
+    8-byte AllReduce of the loss.
+    """
+    act_bytes, grad_bytes = 4 << 20, 256 << 20
+    pattern: list[tuple[int, int, int]] = []
+    for direction in range(2):
+        for _ in range(microbatches):
+            if pp > 1:
+                pattern.append((OP["Recv"], COMM_PP, act_bytes))
+            if tp > 1:
+                pattern += [(OP["AllReduce"], COMM_TP, act_bytes * (1 + direction))] * layers
+            if pp > 1:
+                pattern.append((OP["Send"], COMM_PP, act_bytes))
+    pattern += [(OP["ReduceScatter"], COMM_DP, grad_bytes),
+                (OP["AllGather"], COMM_DP, grad_bytes), (OP["AllReduce"], COMM_WORLD, 8)]
+    return pattern
+
+
+class _Calls:
+    """A call trace under construction, one call at a time."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        """Seconds: the time of the next call."""
+        self._op: list[int] = []
+        self._comm: list[int] = []
+        self._nbytes: list[int] = []
+        self._time: list[float] = []
+        self._owner: list[int] = []
+
+    def add(self, op: int, comm: int, size: int, owner: int) -> None:
+        """A call at time ``t`` of iteration ``owner`` (-1: warm-up)."""
+        self._op.append(op)
+        self._comm.append(comm)
+        self._nbytes.append(size)
+        self._time.append(self.t)
+        self._owner.append(owner)
+
+    def done(self) -> tuple[CallTrace, np.ndarray]:
+        """(trace, call_iteration)."""
+        trace = CallTrace(
+            op=np.array(self._op, dtype=np.int64), comm=np.array(self._comm, dtype=np.int64),
+            nbytes=np.array(self._nbytes, dtype=np.int64), time=np.array(self._time),
+        )
+        return trace, np.array(self._owner, dtype=np.int64)
+
+
+def _slowdown(fail_slows: tuple[FailSlow, ...], num_iterations: int) -> np.ndarray:
+    """(num_iterations,) factor each iteration's compute runs slower by."""
+    factor = np.ones(num_iterations)
+    for fs in fail_slows:
+        if not 0 <= fs.onset < fs.end <= num_iterations:
+            raise ValueError(f"fail-slow {fs} must lie within the {num_iterations} iterations")
+        factor[fs.onset : fs.end] *= fs.factor ** fs.profile()
+    return factor
+
+
 def call_trace(
+    rng: np.random.Generator,
     *,
-    seed: int,
     num_iterations: int,
     tp: int = 2,
     pp: int = 2,
@@ -221,86 +300,54 @@ def call_trace(
 ) -> tuple[CallTrace, TraceTruth]:
     """One middle-stage rank's calls in a TP x DP x PP job (Megatron-like, 1F1B).
 
-    Per micro-batch: Recv activations (pp > 1), one TP AllReduce per layer (tp > 1; a
-    burst of identical calls), Send activations (pp > 1); then the same backwards; at the iteration's
-    end a ReduceScatter + AllGather of the gradients over DP and an 8-byte AllReduce of
-    the loss. Warm-up: parameter Broadcasts of varying size and a Barrier. With
-    ``eval_every``, every such iteration ends with an extra Barrier + AllReduce (an
-    evaluation step), which breaks the period once.
+    Each iteration makes the calls of :func:`hybrid_pattern`. Warm-up: parameter
+    Broadcasts of varying size and a Barrier. With ``eval_every``, every such
+    iteration ends with an extra Barrier + AllReduce (an evaluation step), which breaks
+    the period once.
 
     Compute between calls has log-normal jitter, per call and per iteration; a
-    fail-slow multiplies every gap of its iterations; a garbage-collection pause hits every 50th iteration.
+    fail-slow multiplies every gap of its iterations; a garbage-collection pause hits
+    every 50th iteration.
+
+    Args:
+        rng: the random generator (the caller seeds it).
 
     Returns:
         (trace, truth).
     """
-    rng = np.random.default_rng(seed)
-    comm_tp, comm_pp, comm_dp, comm_world = 0x1A, 0x2B, 0x3C, 0x4D
-    act_bytes, grad_bytes = 4 << 20, 256 << 20
-    pattern: list[tuple[int, int, int]] = []
-    for direction in range(2):
-        for _ in range(microbatches):
-            if pp > 1:
-                pattern.append((_RECV, comm_pp, act_bytes))
-            if tp > 1:
-                pattern += [(_AR, comm_tp, act_bytes * (1 + direction))] * layers
-            if pp > 1:
-                pattern.append((_SEND, comm_pp, act_bytes))
-    pattern += [(_RS, comm_dp, grad_bytes), (_AG, comm_dp, grad_bytes), (_AR, comm_world, 8)]
+    pattern = hybrid_pattern(tp=tp, pp=pp, microbatches=microbatches, layers=layers)
     period = len(pattern)
     # Gap before each call of the pattern, and the optimizer step after the last one;
     # they sum to iteration_time.
     weights = rng.uniform(0.5, 1.5, period + 1)
     gaps = iteration_time * weights / weights.sum()
-    factor = np.ones(num_iterations)
-    for fs in fail_slows:
-        if not 0 <= fs.onset < fs.end <= num_iterations:
-            raise ValueError(f"fail-slow {fs} must lie within the {num_iterations} iterations")
-        ramp = np.ones(fs.end - fs.onset)
-        if fs.ramp:
-            ramp[: fs.ramp] = np.arange(1, fs.ramp + 1) / fs.ramp
-        factor[fs.onset : fs.end] *= fs.factor**ramp
-    ops, comms, sizes, times, owner = [], [], [], [], []
-    t = 0.0
+    factor = _slowdown(fail_slows, num_iterations)
+    calls = _Calls()
     for k in range(warmup_calls):
         last = k == warmup_calls - 1
-        ops.append(_BARRIER if last else _BC)
-        comms.append(comm_world)
-        sizes.append(0 if last else int(rng.integers(1, 64)) << 16)
-        t += float(rng.uniform(1e-4, 1e-3))
-        times.append(t)
-        owner.append(-1)
+        size = 0 if last else int(rng.integers(1, 64)) << 16
+        calls.t += float(rng.uniform(1e-4, 1e-3))
+        calls.add(OP["Barrier"] if last else OP["Broadcast"], COMM_WORLD, size, -1)
     starts = np.empty(num_iterations + 1)
     for i in range(num_iterations):
-        starts[i] = t
+        starts[i] = calls.t
         # Per-call compute jitter, and one factor for the whole iteration (its
         # sequence lengths).
         noise = np.exp(rng.normal(0.0, jitter, period + 1) + rng.normal(0.0, jitter)) * factor[i]
         if i % 50 == 49:
             noise[int(rng.integers(0, period + 1))] += 0.3 * period
         for j, (op, comm, size) in enumerate(pattern):
-            t += gaps[j] * noise[j]
-            ops.append(op)
-            comms.append(comm)
-            sizes.append(size)
-            times.append(t)
-            owner.append(i)
+            calls.t += gaps[j] * noise[j]
+            calls.add(op, comm, size, i)
         if eval_every and i % eval_every == eval_every - 1:
-            for op, size in ((_BARRIER, 0), (_AR, 8)):
-                t += gaps[-1] * 0.1
-                ops.append(op)
-                comms.append(comm_world)
-                sizes.append(size)
-                times.append(t)
-                owner.append(i)
-        t += gaps[-1] * noise[-1]
-    starts[num_iterations] = t
-    trace = CallTrace(
-        op=np.array(ops, dtype=np.int64), comm=np.array(comms, dtype=np.int64),
-        nbytes=np.array(sizes, dtype=np.int64), time=np.array(times),
-    )
+            for op, size in ((OP["Barrier"], 0), (OP["AllReduce"], 8)):
+                calls.t += gaps[-1] * 0.1
+                calls.add(op, COMM_WORLD, size, i)
+        calls.t += gaps[-1] * noise[-1]
+    starts[num_iterations] = calls.t
+    trace, owner = calls.done()
     truth = TraceTruth(
-        iteration_start=starts, call_iteration=np.array(owner, dtype=np.int64),
+        iteration_start=starts, call_iteration=owner,
         calls_per_iteration=period, fail_slows=tuple(fail_slows),
     )
     return trace, truth
