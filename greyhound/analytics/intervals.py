@@ -1,4 +1,32 @@
-"""Slow intervals: onset, recovery and severity, from a series and its change points."""
+"""Slow intervals: onset, recovery and severity, from a series and its change points.
+
+The series is split at the change points into regimes; a regime's level is the median
+of its first ``level_window`` iterations (all of them if it is shorter). That is what
+the detector saw when the regime was young, and it is bounded: the node agent's
+tracker recomputes it every poll without keeping a regime's whole history in view.
+
+The healthy reference:
+
+- Warm-up: the first regime that lasts ``min_reference`` iterations is the first
+  reference; regimes before it (a partial first iteration, compilation and cache
+  warm-up, a job that starts while a fail-slow is ending) are neither slow nor
+  healthy. A reference must rest on a level the job held, not on its first
+  iteration(s). (A fail-slow that starts within the first ``min_reference``
+  iterations and lasts becomes the reference: there is nothing to compare it with.)
+- Later, a regime that is not slow and lasts ``min_healthy_iterations`` becomes the
+  reference when it ends, so benign shifts (a new data mix, a longer sequence length)
+  move it with them; a short one (the first step of a ramp) does not.
+- The reference's value is the median of the last ``level_window`` iterations of its
+  regime, right before the regime ended: a level that drifted by a few percent over a
+  long regime is compared where it stood, not where it started.
+
+A regime opens a slow interval if its level is ``min_slowdown`` times the reference,
+or half that if its change point was itself accepted as ``min_slowdown`` slower than
+the level right before it (its onset was judged on the level right before it, which a
+drift may have moved off the reference); the interval goes on while regimes stay half
+that far above it (hysteresis, so a level hovering at the threshold does not flap).
+The interval's slowdown is its median iteration time over the reference at its onset.
+"""
 
 from __future__ import annotations
 
@@ -39,33 +67,8 @@ def slow_intervals(
     min_reference: int = 20,
     level_window: int = 50,
 ) -> list[SlowInterval]:
-    """Split the series at the change points and mark the regimes slower than healthy.
-
-    A regime is the span between two change points; its level is the median of its
-    first ``level_window`` iterations (all of them if it is shorter). That is what the
-    detector saw when the regime was young, and it is bounded: the node agent's
-    tracker recomputes it every poll without keeping a regime's whole history in view.
-
-    The healthy reference:
-
-    - Warm-up: the first regime that lasts ``min_reference`` iterations is the first
-      reference; regimes before it (a partial first iteration, compilation and cache
-      warm-up, a job that starts while a fail-slow is ending) are neither slow nor
-      healthy. A reference must rest on a level the job held, not on its first
-      iteration(s). (A fail-slow that starts within the first ``min_reference``
-      iterations and lasts becomes the reference: there is nothing to compare it with.)
-    - Later, a regime that is not slow and lasts ``min_healthy_iterations`` becomes
-      the reference when it ends, so benign shifts (a new data mix, a longer sequence
-      length) move it with them; a short one (the first step of a ramp) does not.
-    - The reference's value is the median of the last ``level_window`` iterations of
-      its regime, right before the regime ended: a level that drifted by a few percent
-      over a long regime is compared where it stood, not where it started.
-
-    A regime opens a slow interval if its level is ``min_slowdown`` times the
-    reference, or half that if its change point was itself accepted as
-    ``min_slowdown`` slower than the level right before it; the interval goes on while regimes stay half that far above it
-    (hysteresis, so a level hovering at the threshold does not flap). The interval's
-    slowdown is its median iteration time over the reference at its onset.
+    """Split the series at the change points and mark the regimes slower than healthy
+    (the rules: module docstring).
 
     Args:
         x: (n,) iteration times, finite and > 0.
@@ -87,29 +90,22 @@ def slow_intervals(
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value!r}")
     hold = 1.0 + 0.5 * (min_slowdown - 1.0)
-    n = len(x)
-    bounds = [0] + [cp.index for cp in changepoints] + [n]
-    if any(not a < b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError("change point indices must increase strictly within (0, n)")
     out: list[SlowInterval] = []
     healthy: float | None = None
     onset: int | None = None
     onset_healthy = 1.0
-    ratios = [0.0] + [cp.ratio for cp in changepoints]
-    for (lo, hi), ratio in zip(zip(bounds[:-1], bounds[1:]), ratios):
+    for lo, hi, ratio in _regimes(changepoints, len(x)):
         if healthy is None:
             # Warm-up until a regime lasts min_reference iterations; that one is the
             # first reference, and is itself healthy.
             if hi - lo >= min_reference:
-                healthy = float(np.median(x[max(lo, hi - level_window) : hi]))
+                healthy = _last_level(x, lo, hi, level_window)
             continue
-        level = float(np.median(x[lo : min(hi, lo + level_window)]))
-        slowdown = level / healthy
-        # Open at min_slowdown; a regime whose change point was itself accepted as
-        # min_slowdown slower needs only the hold level (its onset was judged on the
-        # level right before it, which a drift may have moved off the reference).
-        opens = hold if ratio >= min_slowdown else min_slowdown
-        if slowdown >= (hold if onset is not None else opens):
+        slowdown = float(np.median(x[lo : min(hi, lo + level_window)])) / healthy
+        # A regime whose change point was itself accepted as min_slowdown slower
+        # opens at the hold level; an open interval goes on at it.
+        opens = hold if ratio >= min_slowdown or onset is not None else min_slowdown
+        if slowdown >= opens:
             if onset is None:
                 onset, onset_healthy = lo, healthy
             continue
@@ -117,10 +113,25 @@ def slow_intervals(
             out.append(_interval(x, onset, lo, onset_healthy))
             onset = None
         if hi - lo >= min_healthy_iterations:
-            healthy = float(np.median(x[max(lo, hi - level_window) : hi]))
+            healthy = _last_level(x, lo, hi, level_window)
     if onset is not None:
         out.append(_interval(x, onset, None, onset_healthy))
     return out
+
+
+def _regimes(changepoints: Sequence[ChangePoint], n: int) -> list[tuple[int, int, float]]:
+    """(start, end, ratio of the change point that opened it; 0 for the first) of each
+    regime of a series of n iterations."""
+    bounds = [0] + [cp.index for cp in changepoints] + [n]
+    if any(not a < b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError("change point indices must increase strictly within (0, n)")
+    ratios = [0.0] + [cp.ratio for cp in changepoints]
+    return list(zip(bounds[:-1], bounds[1:], ratios))
+
+
+def _last_level(x: np.ndarray, lo: int, hi: int, level_window: int) -> float:
+    """Median of the last ``level_window`` iterations of the regime [lo, hi)."""
+    return float(np.median(x[max(lo, hi - level_window) : hi]))
 
 
 def healthy_level(x: np.ndarray, intervals: Sequence[SlowInterval]) -> float:
