@@ -20,6 +20,10 @@
  * never leaves a half-made record, and any error it meets there is cleared and
  * handed to the Python wrapper, which is itself fail-open.
  *
+ * It reads the capture's GroupInfo (a named tuple) by position; bind() takes
+ * its field names and refuses to bind to a capture whose fields are not the
+ * ones read here (see group_info_fields).
+ *
  * Built against the stable ABI (Py_LIMITED_API, CPython >= 3.10), so one
  * build loads in whatever Python the job runs. The capture imports it when it
  * can and works without it.
@@ -96,35 +100,24 @@ static int is_given(PyObject *value)
 }
 
 /*
- * Fills *head for this call if the fast path can record it: 1 (record),
- * 0 (call fn unrecorded, as the Python wrapper would), -1 (leave it to the
- * Python wrapper). Never leaves an exception set.
- *
- * A group's description comes from hook.groups (id(group) -> (group, GroupInfo)),
- * which the Python wrapper fills on the group's first call; jobs alternate
- * between groups (PP sends, DP all-reduces), so one "last group" would not do.
+ * The GroupInfo of the call's group (a new reference) if the Python wrapper has
+ * described that group already, else NULL. A group's description comes from
+ * hook.groups (id(group) -> (group, GroupInfo)), which the Python wrapper fills
+ * on the group's first call; jobs alternate between groups (PP sends, DP
+ * all-reduces), so one "last group" would not do. *group: the call's group
+ * argument (borrowed; NULL or None for the default group).
  */
-static int plan(FastCall *self, PyObject *args, PyObject *kwargs, struct gh_py_head *head)
+static PyObject *known_group_info(FastCall *self, PyObject *args, PyObject *kwargs, PyObject **group)
 {
-	PyObject *on = NULL, *group, *pg = NULL, *world = NULL, *groups = NULL, *key = NULL;
-	PyObject *entry, *info, *value;
-	PyObject *tensor, *peer_obj;
-	long long nbytes = 0;
-	long peer = -1;
-	int ret = -1, flag;
+	PyObject *pg = NULL, *world = NULL, *groups = NULL, *key = NULL, *entry, *info = NULL;
 
-	on = PyObject_GetAttr(self->hook, s_on);
-	if (on != Py_True)
-		goto out;
-	group = get_arg(args, kwargs, self->i_group, s_group);
-	if (is_given(group)) {
-		pg = group;
+	*group = get_arg(args, kwargs, self->i_group, s_group);
+	if (is_given(*group)) {
+		pg = *group;
 		Py_INCREF(pg);
 	} else {
 		world = PyObject_GetAttr(self->dc10d, s_world);
-		if (!world)
-			goto out;
-		pg = PyObject_GetAttr(world, s_default_pg);
+		pg = world ? PyObject_GetAttr(world, s_default_pg) : NULL;
 		if (!pg || pg == Py_None)
 			goto out;
 	}
@@ -136,7 +129,87 @@ static int plan(FastCall *self, PyObject *args, PyObject *kwargs, struct gh_py_h
 	if (!entry || !PyTuple_Check(entry) || PyTuple_Size(entry) != 2 || PyTuple_GetItem(entry, 0) != pg)
 		goto out;   /* a group met for the first time: described in Python */
 	info = PyTuple_GetItem(entry, 1);
-	if (!info || !PyTuple_Check(info) || PyTuple_Size(info) != NUM_GROUP_FIELDS)
+	if (info && PyTuple_Check(info) && PyTuple_Size(info) == NUM_GROUP_FIELDS)
+		Py_INCREF(info);
+	else
+		info = NULL;
+out:
+	Py_XDECREF(world);
+	Py_XDECREF(pg);
+	Py_XDECREF(groups);
+	Py_XDECREF(key);
+	return info;
+}
+
+/*
+ * *nbytes: the bytes of the call's tensor (tensor.nbytes; 0 without one).
+ * 1 (record), 0 (a CUDA tensor the C hook records: call fn unrecorded),
+ * -1 (leave it to the Python wrapper).
+ */
+static int call_bytes(FastCall *self, PyObject *args, PyObject *kwargs, PyObject *info,
+		      long long *nbytes)
+{
+	PyObject *tensor, *value;
+	int flag;
+
+	*nbytes = 0;
+	tensor = self->size_name != Py_None ? get_arg(args, kwargs, self->i_size, self->size_name) : NULL;
+	if (!is_given(tensor))
+		return 1;
+	if (PyObject_IsTrue(PyTuple_GetItem(info, GROUP_SKIP_CUDA)) == 1) {
+		value = PyObject_GetAttr(tensor, s_is_cuda);
+		flag = value ? PyObject_IsTrue(value) : -1;
+		Py_XDECREF(value);
+		if (flag)
+			return flag > 0 ? 0 : -1;
+	}
+	value = PyObject_GetAttr(tensor, s_nbytes);
+	*nbytes = value ? PyLong_AsLongLong(value) : -1;
+	Py_XDECREF(value);
+	return *nbytes < 0 ? -1 : 1;
+}
+
+/*
+ * *peer: the call's peer or root as a rank in its group, -1 if none. 0, or -1
+ * to leave the call to the Python wrapper (a global rank in a subgroup needs
+ * get_group_rank; a value that is no rank).
+ */
+static int call_peer(FastCall *self, PyObject *args, PyObject *kwargs, PyObject *group, long *peer)
+{
+	PyObject *peer_obj;
+
+	*peer = -1;
+	if (self->peer_name == Py_None)
+		return 0;
+	peer_obj = get_arg(args, kwargs, self->i_group_peer, self->group_peer_name);
+	if (!is_given(peer_obj)) {
+		peer_obj = get_arg(args, kwargs, self->i_peer, self->peer_name);
+		if (is_given(peer_obj) && is_given(group))
+			return -1;
+	}
+	if (!is_given(peer_obj))
+		return 0;
+	*peer = PyLong_AsLong(peer_obj);
+	return PyErr_Occurred() || *peer < 0 || *peer > INT32_MAX ? -1 : 0;
+}
+
+/*
+ * Fills *head for this call if the fast path can record it: 1 (record),
+ * 0 (call fn unrecorded, as the Python wrapper would), -1 (leave it to the
+ * Python wrapper). Never leaves an exception set.
+ */
+static int plan(FastCall *self, PyObject *args, PyObject *kwargs, struct gh_py_head *head)
+{
+	PyObject *on, *group, *info = NULL, *value;
+	long long nbytes;
+	long peer;
+	int ret = -1, flag;
+
+	on = PyObject_GetAttr(self->hook, s_on);
+	if (on != Py_True)
+		goto out;
+	info = known_group_info(self, args, kwargs, &group);
+	if (!info)
 		goto out;
 	head->comm_id = PyLong_AsUnsignedLongLong(PyTuple_GetItem(info, GROUP_COMM_ID));
 	if (PyErr_Occurred())
@@ -146,43 +219,18 @@ static int plan(FastCall *self, PyObject *args, PyObject *kwargs, struct gh_py_h
 		ret = flag > 0 ? 0 : -1;
 		goto out;
 	}
-	tensor = self->size_name != Py_None ? get_arg(args, kwargs, self->i_size, self->size_name) : NULL;
-	if (is_given(tensor)) {
-		if (PyObject_IsTrue(PyTuple_GetItem(info, GROUP_SKIP_CUDA)) == 1) {
-			value = PyObject_GetAttr(tensor, s_is_cuda);
-			flag = value ? PyObject_IsTrue(value) : -1;
-			Py_XDECREF(value);
-			if (flag) {
-				ret = flag > 0 ? 0 : -1;
-				goto out;
-			}
-		}
-		value = PyObject_GetAttr(tensor, s_nbytes);
-		nbytes = value ? PyLong_AsLongLong(value) : -1;
-		Py_XDECREF(value);
-		if (nbytes < 0)
-			goto out;
-	}
-	if (self->peer_name != Py_None) {
-		peer_obj = get_arg(args, kwargs, self->i_group_peer, self->group_peer_name);
-		if (!is_given(peer_obj)) {
-			peer_obj = get_arg(args, kwargs, self->i_peer, self->peer_name);
-			/* A global rank in a subgroup: get_group_rank, in Python. */
-			if (is_given(peer_obj) && is_given(group))
-				goto out;
-		}
-		if (is_given(peer_obj)) {
-			peer = PyLong_AsLong(peer_obj);
-			if (PyErr_Occurred() || peer < 0 || peer > INT32_MAX)
-				goto out;
-		}
-	}
+	ret = call_bytes(self, args, kwargs, info, &nbytes);
+	if (ret != 1)
+		goto out;
+	ret = -1;
+	if (call_peer(self, args, kwargs, group, &peer) < 0)
+		goto out;
 	/* recv from any source: the sender comes back as the result, in Python. */
 	if (self->op == GH_OP_RECV && peer == -1)
 		goto out;
 	value = get_arg(args, kwargs, self->i_async, s_async_op);
 	if (value && PyObject_IsTrue(value) != 0)
-		goto out;   /* async: a Work proxy and a WAIT record, in Python */
+		goto out;   /* async: its Work's wait writes a WAIT record, in Python */
 	head->op = self->op;
 	head->flags = 0;
 	head->peer = (int32_t)peer;
@@ -192,10 +240,7 @@ static int plan(FastCall *self, PyObject *args, PyObject *kwargs, struct gh_py_h
 	ret = 1;
 out:
 	Py_XDECREF(on);
-	Py_XDECREF(world);
-	Py_XDECREF(pg);
-	Py_XDECREF(groups);
-	Py_XDECREF(key);
+	Py_XDECREF(info);
 	PyErr_Clear();
 	return ret;
 }
