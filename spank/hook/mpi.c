@@ -297,10 +297,14 @@ static inline void rec(uint16_t op, uint32_t flags, uint64_t t0, uint64_t t1,
 
 /* ---- the common shape of a communication call ----------------------------- */
 
-/* A recorded communication call between its two halves. */
+/*
+ * A recorded communication call between its two halves. Its communicator is
+ * kept apart, behind ci: comm_info's slow path takes the address of what it
+ * fills, which would keep t0 and t1 in memory too.
+ */
 struct call {
 	uint64_t t0, t1;
-	struct gh_comm_info ci;   /* its communicator, from op_done on */
+	struct gh_comm_info *ci;  /* its communicator, from op_done on */
 };
 
 /* Before the call: the pause gate, which numbers it, then its start time. */
@@ -314,22 +318,23 @@ static inline void op_begin(struct call *c)
 static inline void op_done(struct call *c, MPI_Comm comm)
 {
 	c->t1 = gh_now_ns();
-	comm_info(comm, &c->ci);
+	comm_info(comm, c->ci);
 }
 
 static inline void op_record(const struct call *c, uint16_t op, uint32_t flags, uint64_t bytes,
 			     int32_t peer, uint64_t req, int rc)
 {
-	rec(op, flags, c->t0, c->t1, bytes, &c->ci, peer, req, rc);
+	rec(op, flags, c->t0, c->t1, bytes, c->ci, peer, req, rc);
 }
 
 /*
  * The body of a communication call fn on comm (GH_INTERPOSE): gated and timed,
  * then `record`: statements that see the result as rc and the call as c, its
- * communicator in c.ci.
+ * communicator in *c.ci.
  */
 #define MPI_OP(fn, args, comm, record)						\
-	struct call c;								\
+	struct gh_comm_info ci;							\
+	struct call c = { .ci = &ci };						\
 	GH_INTERPOSE(fn, args, MPI_ERR_INTERN, mpi_enter(), op_begin(&c),	\
 		     op_done(&c, comm); record)
 
@@ -341,7 +346,7 @@ static inline uint32_t in_place(const void *sendbuf)
 /* A count per rank times the communicator's size (1 if MPI could not say it). */
 static inline long all_ranks(const struct call *c, int count)
 {
-	return (long)count * (c->ci.size > 0 ? c->ci.size : 1);
+	return (long)count * (c->ci->size > 0 ? c->ci->size : 1);
 }
 
 /* A request's id in the records: its handle (the completion call resets it). */
@@ -375,7 +380,7 @@ GH_EXPORT int MPI_Reduce_scatter(const void *sendbuf, void *recvbuf, const int r
 {
 	MPI_OP(MPI_Reduce_scatter, (sendbuf, recvbuf, recvcounts, datatype, op, comm), comm,
 	       op_record(&c, GH_OP_REDUCESCATTER, in_place(sendbuf),
-			 type_bytes(datatype, sum_counts(recvcounts, c.ci.size)), -1, 0, rc));
+			 type_bytes(datatype, sum_counts(recvcounts, c.ci->size)), -1, 0, rc));
 }
 
 GH_EXPORT int MPI_Reduce_scatter_block(const void *sendbuf, void *recvbuf, int recvcount,
