@@ -349,7 +349,7 @@ static inline long all_ranks(const struct call *c, int count)
 	return (long)count * (c->ci->size > 0 ? c->ci->size : 1);
 }
 
-/* A request's id in the records: its handle (the completion call resets it). */
+/* A request's id in the records: its handle, as Isend/Irecv set it (Wait resets it). */
 static inline uint64_t req_id(const MPI_Request *request)
 {
 	return request ? (uint64_t)(uintptr_t)*request : 0;
