@@ -89,7 +89,8 @@ class WindowDetector:
             raise ValueError(f"band must be in (0, 1), got {band!r}")
         self.window = window
         self.band = band
-        self._values = RecentValues(window)
+        self._tail = np.empty(0)  # the last values, fewer than `window`
+        self._count = 0  # values added so far
         self._regime_start = 0
         self._reference: float | None = None
 
@@ -102,13 +103,13 @@ class WindowDetector:
     def feed(self, xs: np.ndarray) -> list[ChangePoint]:
         """Add the next (n,) iteration times; returns the change points reported meanwhile."""
         xs = check_series(xs)
-        w, count = self.window, self._values.count
-        # The kept tail (fewer than `window` values) and the batch: every full window
-        # in it ends in the batch, so none is judged twice.
-        first = max(0, count - (w - 1))
-        values = np.concatenate((self._values.window(first, count), xs))
-        for x in xs.tolist():
-            self._values.append(x)
+        w = self.window
+        # The kept tail and the batch: every full window in it ends in the batch, so
+        # none is judged twice. values[0] is iteration `first`.
+        first = self._count - len(self._tail)
+        values = np.concatenate((self._tail, xs))
+        self._count += len(xs)
+        self._tail = values[len(values) - min(len(values), w - 1) :]
         if len(values) < w:
             return []
         medians = np.median(np.lib.stride_tricks.sliding_window_view(values, w), axis=1)
