@@ -239,7 +239,7 @@ class _HookBinding:
         self.gate = lib.gh_py_gate
         self.record = lib.gh_py_record
         self.groups: dict[int, tuple] = {}   # id(group) -> (group, GroupInfo)
-        self.last_group = (None, None)       # (group, GroupInfo) of the last call
+        self.last_group = (None,)            # (group, *its GroupInfo) of the last call
         self.groups_seen: dict[int, int] = {}  # FNV of the members -> groups of them
         self.req_ids = itertools.count(1)
         self.c_hook_records_nccl = self._interposes("ncclAllReduce")
@@ -266,7 +266,7 @@ class _HookBinding:
     def _after_fork(self) -> None:
         # The child gets its own ring (the C hook reopens on first use).
         self.groups = {}
-        self.last_group = (None, None)
+        self.last_group = (None,)
         self.on = None
 
     def group_info(self, dc10d, group) -> GroupInfo:
@@ -528,11 +528,10 @@ def _python_wrapper(fn, name: str, fn_params: dict, hook: _HookBinding, dc10d):
             pg = group
             if pg is None:
                 pg = dc10d._world._default_pg if default_group is None else default_group()
-            last_group, info = hook.last_group
-            if last_group is not pg or pg is None:
-                info = hook.group_info(dc10d, pg)
-                hook.last_group = (pg, info)
-            comm_id, _size, _rank, skip_all, skip_cuda, heads = info
+            last = hook.last_group        # a plain tuple: it unpacks faster than GroupInfo
+            if last[0] is not pg or pg is None:
+                last = hook.last_group = (pg, *hook.group_info(dc10d, pg))
+            _pg, comm_id, _size, _rank, skip_all, skip_cuda, heads = last
             tensor = args[i_size] if i_size < n else kwargs.get(size_arg)   # None: no size_arg
             if skip_all or (skip_cuda and tensor is not None and not is_list
                             and getattr(tensor, "is_cuda", False)):
