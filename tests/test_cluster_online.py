@@ -1,6 +1,6 @@
 """The job's control plane on the real local cluster: the reference job (DP=2 x PP=4 on
-4 nodes) under `sbatch --greyhound`, its control plane started by the plugin, and what
-another user can reach of it.
+4 nodes) under `sbatch --greyhound`, its control plane started by the plugin, what
+another user can reach of it, and the job going on when its master is killed mid-pause.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SlurmJob
+from greyhound.control.events import read_events
 
 pytestmark = pytest.mark.cluster
 
@@ -22,11 +23,12 @@ GREYHOUND = str(REPO / ".venv/bin/greyhound")
 RUN_DIR_BASE = Path("/var/tmp/greyhound")
 
 
-def submit(out: Path, steps: int, *extra: str, env: dict | None = None) -> SlurmJob:
+def submit(out: Path, steps: int, *extra: str, env: dict | None = None, greyhound: bool = True) -> SlurmJob:
     out.mkdir(mode=0o755, exist_ok=True)
     env = dict(os.environ, GREYHOUND_REPO=str(REPO), OUT_DIR=str(out), **(env or {}))
     proc = subprocess.run(
-        ["sbatch", "--parsable", "--greyhound", f"--output={out}/job.out", str(REPO / "examples/gpt_hybrid.sbatch"),
+        ["sbatch", "--parsable", "--greyhound" if greyhound else "--greyhound=off", f"--output={out}/job.out",
+         str(REPO / "examples/gpt_hybrid.sbatch"),
          "--steps", str(steps), "--trace-every", "1000", *extra],
         capture_output=True, text=True, env=env, cwd=out, check=True, timeout=60,
     )
@@ -54,6 +56,10 @@ def wait_tracking(job_id: str, iterations: int = 15, timeout_s: float = 240) -> 
     raise AssertionError(f"job {job_id}: trackers did not report {iterations} iterations in {timeout_s}s: {st}")
 
 
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_another_user_can_neither_read_the_password_nor_use_the_jobs_redis(cluster, tmp_path):
     from greyhound.control.redis_server import ADDRESS_FILE, SECRET_FILE
 
@@ -75,3 +81,47 @@ def test_another_user_can_neither_read_the_password_nor_use_the_jobs_redis(clust
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 1 and "only the job's user and root" in shown.stderr
     assert job.wait(600) == "COMPLETED"
+
+
+def test_killing_the_master_while_the_job_is_paused_changes_nothing_in_the_job(cluster, tmp_path):
+    # The pause gate lets the ranks go by themselves after GREYHOUND_PAUSE_TIMEOUT_S when
+    # nobody resumes them: the master is killed (SIGKILL: no clean-up) while every rank
+    # is held, Slurm ends the rest of the plane, and the job trains on to the same losses
+    # as a run without greyhound.
+    from greyhound.ring import RingReader, ring_paths
+
+    steps, timeout_s = 140, 8
+    job = submit(tmp_path / "out", steps, env={"GREYHOUND_PAUSE_TIMEOUT_S": str(timeout_s)})
+    wait_tracking(job.job_id)
+    run_dir = RUN_DIR_BASE / job.job_id
+    readers = [RingReader(path, publish=False) for path in ring_paths(run_dir)]
+    # `greyhound inject` holds the fail-slow for its duration: it runs alongside.
+    inject = subprocess.Popen([GREYHOUND, "inject", "compute", "--job", job.job_id, "--rank", "5",
+                               "--duration", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert len(readers) == 8
+    deadline = time.monotonic() + 180
+    while not all(r.parked for r in readers):
+        assert time.monotonic() < deadline, f"no pause within 180 s: {read_events(run_dir)}"
+        assert job.state() == "RUNNING", job.text()
+        time.sleep(0.01)
+    master = next(e for e in read_events(run_dir) if e["kind"] == "control_plane_started")
+    os.kill(master["pid"], 9)
+    killed = time.monotonic()
+    while any(r.parked for r in readers):
+        assert time.monotonic() - killed < timeout_s + 20, [r.counters() for r in readers]
+        time.sleep(0.05)
+    held_s = time.monotonic() - killed
+    timeouts = [r.counters()["gate_timeouts"] for r in readers]
+    shown = status(job.job_id)
+    for r in readers:
+        r.close()
+    assert job.wait(900) == "COMPLETED", job.text()
+    assert inject.wait(120) == 0, inject.stderr.read()
+    assert timeouts == [1] * 8, timeouts            # each rank let itself go, once
+    assert held_s < timeout_s + 5, held_s
+    assert shown["control_plane"] == "failed", shown
+    undisturbed = submit(tmp_path / "plain", steps, greyhound=False)
+    assert undisturbed.wait(900) == "COMPLETED", undisturbed.text()
+    got, want = losses(tmp_path / "out"), losses(tmp_path / "plain")
+    assert len(got) == len(want) == steps
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6
