@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from greyhound import ring
@@ -280,7 +280,10 @@ def test_the_clock_does_not_depend_on_the_batches(seed, cuts):
         np.testing.assert_array_equal(np.concatenate([s.first_call for s in got]),
                                       np.concatenate([s.first_call for s in want]))
     assert clock.segments == other.segments
-    assert len(whole.iteration_times) > 0
+    # Examples with no iteration at all say nothing about batches: not counted. (A
+    # 3-call DP step with an evaluation every 30 steps, 60 steps long, locks on no
+    # period: seed 2340; see the session note.)
+    assume(len(whole.iteration_times) > 0)
 
 
 # ---- the first lock: the reference job's real records, generated traces -----------------
