@@ -304,6 +304,22 @@ class PySlurmClient(CommandLineClient):
         )
 
 
+def start_overlap_step(argv: list[str], *, num_nodes: int, log_fd: int, env: dict[str, str],
+                       name: str = "greyhound") -> subprocess.Popen:
+    """Starts ``argv`` as a job step of one task per node that shares every CPU, memory
+    and GRES with the job's other steps (``srun --overlap``, Slurm >= 21.08: the user's
+    own ``srun`` never waits for it), from inside the job's allocation. srun's messages
+    and the task's output go to ``log_fd``.
+
+    Raises:
+        OSError: srun cannot be started.
+    """
+    command = ["srun", "--overlap", f"--nodes={num_nodes}", f"--ntasks={num_nodes}", "--ntasks-per-node=1",
+               "--mpi=pmix", "--gres=none", f"--job-name={name}", "--kill-on-bad-exit=0", "--quiet",
+               "--export=ALL", *argv]
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, env=env)
+
+
 def running_slurm_version() -> str | None:
     """The installed Slurm's version ("22.05.8"), or None when Slurm is not installed."""
     try:

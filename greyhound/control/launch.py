@@ -18,21 +18,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 from greyhound.control.redis_server import ADDRESS_FILE
+from greyhound.slurm_client import start_overlap_step
 
 LOG_FILE = "control-plane.log"
 STARTS = 2
 """Attempts to start the plane before one line says it could not."""
-
-
-def srun_command(*, python: str, num_nodes: int) -> list[str]:
-    return ["srun", "--overlap", f"--nodes={num_nodes}", f"--ntasks={num_nodes}", "--ntasks-per-node=1",
-            "--mpi=pmix", "--gres=none", "--job-name=greyhound", "--kill-on-bad-exit=0", "--quiet",
-            "--export=ALL", python, "-I", "-m", "greyhound.control.plane"]
 
 
 def _last_line(path: Path) -> str:
@@ -61,8 +55,8 @@ def main() -> int:
     env = {**os.environ, "GREYHOUND_CONTROL_PLANE": "1"}
     for attempt in range(1, STARTS + 1):
         try:
-            proc = subprocess.Popen(srun_command(python=sys.executable, num_nodes=num_nodes),
-                                    stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, env=env)
+            proc = start_overlap_step([sys.executable, "-I", "-m", "greyhound.control.plane"],
+                                      num_nodes=num_nodes, log_fd=fd, env=env)
         except OSError as exc:
             os.close(fd)
             print(f"greyhound: control plane not started: srun: {exc.strerror}; the job runs without online "
