@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hybrid.config import (  # noqa: E402
+from hybrid.config import (
     BACKENDS,
     RANK_ORDERS,
     SEQLEN_DISTRIBUTIONS,

@@ -50,7 +50,7 @@ def job_status(job_id: str, *, rundir: Path | None = None) -> dict:
         return out
     try:
         state = store.read_job(address.client(timeout_s=2.0))
-    except Exception as exc:  # the server is gone: the job ended, or the master died
+    except Exception as exc:  # noqa: BLE001  (the server is gone: the job ended, or the master died)
         kinds = [e["kind"] for e in out["events"]]
         if "control_plane_stopped" in kinds:
             out["control_plane"] = "stopped"

@@ -100,7 +100,7 @@ _NULL_SPAN = _NullSpan()
 class _Span:
     __slots__ = ("_rec", "_optypes", "_microbatches", "_chunk", "_start")
 
-    def __init__(self, rec: "TimelineRecorder", optypes, microbatches, chunk: int):
+    def __init__(self, rec: TimelineRecorder, optypes, microbatches, chunk: int):
         self._rec = rec
         self._optypes = optypes
         self._microbatches = microbatches
@@ -280,7 +280,7 @@ class TimelineRecorder:
         if not self._file.closed:
             self._file.close()
 
-    def __enter__(self) -> "TimelineRecorder":
+    def __enter__(self) -> TimelineRecorder:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -40,7 +40,8 @@ class Cause:
     remedy: str
 
     def to_json(self) -> dict:
-        return {"cause": self.cause, "confidence": round(self.confidence, 3), "evidence": self.evidence, "remedy": self.remedy}
+        return {"cause": self.cause, "confidence": round(self.confidence, 3), "evidence": self.evidence,
+                "remedy": self.remedy}
 
 
 def find_causes(trace: Trace, model: Model, attr: Attribution) -> list[Cause]:
@@ -110,7 +111,8 @@ def _stage_imbalance(model: Model, attr: Attribution, lost: float) -> list[Cause
         if code in (OPTYPE_CODE["forward-compute"], OPTYPE_CODE["backward-compute"]):
             others = np.nanmean(typical[:-1])
             if others > 0:
-                ratios["forward" if code == OPTYPE_CODE["forward-compute"] else "backward"] = float(typical[-1] / others)
+                name = "forward" if code == OPTYPE_CODE["forward-compute"] else "backward"
+                ratios[name] = float(typical[-1] / others)
     top_pp = max(attr.by_pp_rank, key=attr.by_pp_rank.get)
     if attr.ms < 0.3 and max(ratios.values(), default=1.0) < 1.1:
         return []

@@ -226,7 +226,8 @@ def chrome_trace(result: Result) -> dict:
         for p in range(m.pp):
             tid = d * m.pp + p
             for pid in (1, 2):
-                events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"dp{d}/pp{p}"}})
+                events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                               "args": {"name": f"dp{d}/pp{p}"}})
     names = [optype_label(c) for c in m.t_optype]
     for d in ranks:
         for t in range(n_t):
@@ -270,11 +271,13 @@ td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}code{{font-size:8
 <h1>greyhound post-mortem</h1>
 <p><b>{html.escape(line)}</b></p>
 <h2>Summary</h2>
-<ul><li>slowdown S = T / T_ideal = {a.slowdown:.4f} ({data['gpu_time_lost'] * 100:.1f}% of GPU time lost to stragglers)</li>
+<ul><li>slowdown S = T / T_ideal = {a.slowdown:.4f} \
+({data['gpu_time_lost'] * 100:.1f}% of GPU time lost to stragglers)</li>
 <li>mean step: traced {a.t_real:.4f} s, replayed {a.t_replay:.4f} s (simulation error {a.simulation_error * 100:+.2f}%),
 idealised {a.t_ideal:.4f} s</li>
 <li>M_W (top 3% workers) = {a.mw:.3f}; M_S (last stage) = {a.ms:.3f}</li>
-<li>job: DP {job['dp']} x PP {job['pp']}, {job['steps_analysed']} steps analysed, {job['ops']} ops, source {html.escape(str(job['source']))}</li>
+<li>job: DP {job['dp']} x PP {job['pp']}, {job['steps_analysed']} steps analysed, {job['ops']} ops, \
+source {html.escape(str(job['source']))}</li>
 <li>estimator: {html.escape(a.ideal.estimator)}</li></ul>
 <h2>Dropped or set aside while loading</h2><ul>{dropped}</ul>
 <h2>Causes</h2><ul>{causes}</ul>

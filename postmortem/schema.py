@@ -190,7 +190,7 @@ class TraceMeta:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "TraceMeta":
+    def from_json(cls, text: str) -> TraceMeta:
         """TraceMeta from its JSON; ValueError or TypeError when malformed."""
         raw = json.loads(text)
         if not isinstance(raw, dict):
@@ -559,7 +559,8 @@ def _check_storage(dset, *, where: str, what: str) -> None:
     rows = dset.shape[0]
     if dset.chunks is None:  # contiguous or compact: the bytes as they are
         if dset.id.get_storage_size() != rows * dset.dtype.itemsize:
-            raise InputError(f"{where}: {what} stores {dset.id.get_storage_size()} bytes for {rows} rows (truncated or corrupt?)")
+            raise InputError(f"{where}: {what} stores {dset.id.get_storage_size()} bytes for {rows} rows "
+                             "(truncated or corrupt?)")
         return
     chunk_rows = dset.chunks[0]
     expected = -(-rows // chunk_rows)

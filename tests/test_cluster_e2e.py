@@ -129,7 +129,8 @@ def training_job(cluster, tmp_path_factory):
     # The reference job's own script, then the rings copied out before the job ends
     # (the plugin's job epilog removes them).
     wrapper = out / "job.sh"
-    wrapper.write_text(f"#!/bin/bash\nbash {REPO}/examples/gpt_hybrid.sbatch --steps {STEPS} --trace-every {TRACE_EVERY} || exit $?\n"
+    wrapper.write_text(f"#!/bin/bash\nbash {REPO}/examples/gpt_hybrid.sbatch --steps {STEPS} "
+                       f"--trace-every {TRACE_EVERY} || exit $?\n"
                        f"mkdir -p {out}/rings && cp $GREYHOUND_RUN_DIR/ring.* {out}/rings/\n")
     proc = subprocess.run(
         ["sbatch", "--parsable", "--greyhound", "--comment=My Run 7", f"--output={out}/job.out",
@@ -217,7 +218,8 @@ def test_job_without_a_trace_gets_a_record_that_says_so(cluster, sbatch):
     job = sbatch("#!/bin/bash\ntrue\n", "--greyhound")
     assert job.wait() == "COMPLETED"
     comment, _ = comment_of(job.job_id, 60)
-    assert comment == f"greyhound: no post-mortem: no timeline trace in {RUN_DIR_BASE}/{job.job_id} (the job recorded none)"
+    assert comment == (f"greyhound: no post-mortem: no timeline trace in {RUN_DIR_BASE}/{job.job_id} "
+                       "(the job recorded none)")
     off = sbatch("#!/bin/bash\ntrue\n", "--greyhound=trace=off")
     assert off.wait() == "COMPLETED"
     comment, _ = comment_of(off.job_id, 60)

@@ -10,7 +10,7 @@ from greyhound.control.links import job_links, link_passes
 
 
 def _check(passes, links):
-    assert sorted(map(frozenset, (l for p in passes for l in p)), key=sorted) == \
+    assert sorted(map(frozenset, (link for p in passes for link in p)), key=sorted) == \
         sorted(map(frozenset, links), key=sorted)
     for p in passes:
         nodes = [n for link in p for n in link]
@@ -45,7 +45,8 @@ def test_a_binary_tree_takes_at_most_four_passes(size):
 def test_dp_and_pp_groups_give_each_link_once():
     # DP=2 x PP=4, one PP stage per node pair: DP groups (n1,n3) (n1,n3) (n2,n4) (n2,n4),
     # PP chains n1-n2 and n3-n4.
-    groups = [["n1", "n3"], ["n1", "n3"], ["n2", "n4"], ["n2", "n4"], ["n1", "n1", "n2", "n2"], ["n3", "n3", "n4", "n4"]]
+    groups = [["n1", "n3"], ["n1", "n3"], ["n2", "n4"], ["n2", "n4"],
+              ["n1", "n1", "n2", "n2"], ["n3", "n3", "n4", "n4"]]
     links = job_links(groups)
     assert links == [("n1", "n3"), ("n2", "n4"), ("n1", "n2"), ("n3", "n4")]
     passes = link_passes(links)

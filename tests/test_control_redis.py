@@ -44,7 +44,8 @@ def test_the_password_is_in_a_private_file_and_on_no_command_line(job_redis):
     run_dir, proc, address = job_redis
     for name in (SECRET_FILE, "redis.conf", ADDRESS_FILE):
         assert os.stat(run_dir / name).st_mode & 0o077 == 0, name
-    cmdline = open(f"/proc/{proc.pid}/cmdline", "rb").read()
+    with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+        cmdline = f.read()
     assert address.password.encode() not in cmdline
     assert read_address(run_dir) == address
 

@@ -71,8 +71,10 @@ def test_base_trace_is_sound():
 # (offset, xor mask) of bit flips found by flipping random bits of base-small.h5; the
 # comment is what the CLI printed before.
 BIT_FLIPS = {
-    "link-heap": ([(6753, 8), (20216, 4), (24405, 2), (35896, 2)], "RuntimeError: Unable to synchronously check link existence"),
-    "dataspace-dim": ([(3976, 16), (6133, 16), (29897, 2), (31070, 2)], "KeyError: dataspace dim 0 size of 562949953421316"),
+    "link-heap": ([(6753, 8), (20216, 4), (24405, 2), (35896, 2)],
+                  "RuntimeError: Unable to synchronously check link existence"),
+    "dataspace-dim": ([(3976, 16), (6133, 16), (29897, 2), (31070, 2)],
+                      "KeyError: dataspace dim 0 size of 562949953421316"),
     "optypes-json": ([(2454, 32), (2894, 8), (22283, 4), (22917, 8)], "JSONDecodeError in the optypes attribute"),
     "optypes-json-2": ([(2505, 8)], "JSONDecodeError in the optypes attribute"),
     "node-not-utf8": ([(2729, 128), (35907, 1)], "UnicodeDecodeError in /workers/node"),
@@ -324,10 +326,13 @@ def _calls_csv(nbytes_of) -> str:
         # silently wrapped through float64 -> int64
         ("bytes-2-64.csv", "time,op,comm,bytes\n1,AllReduce,1,18446744073709551616\n2,AllReduce,1,8\n",
          "line 2: bytes must be a whole number from 0 to 18446744073709551615 (2^64 - 1), got '18446744073709551616'"),
-        ("bytes-huge.csv", "time,op,comm,bytes\n1,AllReduce,1,8\n2,AllReduce,1,1e400\n", "line 3: bytes must be a whole number"),
+        ("bytes-huge.csv", "time,op,comm,bytes\n1,AllReduce,1,8\n2,AllReduce,1,1e400\n",
+         "line 3: bytes must be a whole number"),
         ("bytes-negative.csv", "time,op,comm,bytes\n1,AllReduce,1,-8\n", "line 2: bytes must be a whole number"),
-        ("bytes-empty.csv", "time,op,comm,bytes\n1,AllReduce,1,8\n2,AllReduce,1,\n", "line 3: bytes must be a whole number from 0 to 18446744073709551615 (2^64 - 1), got empty"),
-        ("bool.csv", "iteration_time\ntrue\nfalse\n", "line 2: column iteration_time must be a finite number, got True"),
+        ("bytes-empty.csv", "time,op,comm,bytes\n1,AllReduce,1,8\n2,AllReduce,1,\n",
+         "line 3: bytes must be a whole number from 0 to 18446744073709551615 (2^64 - 1), got empty"),
+        ("bool.csv", "iteration_time\ntrue\nfalse\n",
+         "line 2: column iteration_time must be a finite number, got True"),
     ],
 )
 def test_detect_bad_csv_is_one_line(tmp_path, name, content, message):
@@ -379,7 +384,8 @@ def _step(step: int, mb=0, start=0.0) -> dict:
 @pytest.mark.parametrize(
     "job, message",
     [
-        ({"dp": "one", "pp": 1}, "timeline header job 'dp' must be an integer from 1 to 32768, got 'one'"),  # ValueError
+        # ValueError
+        ({"dp": "one", "pp": 1}, "timeline header job 'dp' must be an integer from 1 to 32768, got 'one'"),
         ({"dp": 1, "pp": 1, "microbatches_per_dp": "x"}, "'microbatches_per_dp' must be a list of integers"),
         ([1], "timeline header 'job' must be an object"),  # TypeError
     ],

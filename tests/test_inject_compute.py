@@ -139,7 +139,7 @@ def test_quota_takes_the_cpu_and_gives_it_back(env, busy, home_cgroup, tmp_path)
         assert int((cgroup / "cpu.cfs_quota_us").read_text()) == 10_000
         assert int((cgroup / "cpu.cfs_period_us").read_text()) == 100_000
         during = cpu_rate(busy.pid)
-        throttled = int(dict(l.split() for l in (cgroup / "cpu.stat").read_text().splitlines())["nr_throttled"])
+        throttled = int(dict(line.split() for line in (cgroup / "cpu.stat").read_text().splitlines())["nr_throttled"])
     finally:
         thread.join(10)
     assert not thread.is_alive()
@@ -271,7 +271,9 @@ def test_a_process_cannot_be_slowed_twice(env, busy, tmp_path):
 
 
 def test_every_thread_moves_and_moves_back(env, home_cgroup, tmp_path):
-    code = "import threading, time\nfor _ in range(3): threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\nprint(flush=True)\ntime.sleep(30)"
+    code = ("import threading, time\n"
+            "for _ in range(3): threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+            "print(flush=True)\ntime.sleep(30)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     try:
         (home_cgroup / "cgroup.procs").write_text(str(proc.pid))
@@ -352,7 +354,8 @@ def test_non_root_is_refused(tmp_path):
          "--state-dir", str(tmp_path), "compute", "--pid", str(os.getpid()), "--duration", "1"],
         capture_output=True, text=True, timeout=30)
     assert done.returncode == 1
-    assert done.stderr == "greyhound: inject: compute injection needs root (it creates cpu cgroups and moves processes)\n"
+    assert done.stderr == ("greyhound: inject: compute injection needs root "
+                           "(it creates cpu cgroups and moves processes)\n")
 
 
 def test_default_quota_is_a_fraction_of_what_the_target_was_using(env, busy, home_cgroup, tmp_path):

@@ -127,7 +127,8 @@ def test_cli_json_and_report(tmp_path):
     )
     assert cp.returncode == 0, cp.stderr
     data = json.loads(cp.stdout)
-    for key in ("slowdown", "simulation_error", "by_optype", "by_dp_rank", "by_pp_rank", "mw", "ms", "causes", "timing"):
+    for key in ("slowdown", "simulation_error", "by_optype", "by_dp_rank", "by_pp_rank", "mw", "ms", "causes",
+                "timing"):
         assert key in data
     assert set(data["by_dp_rank"]) == {"0", "1", "2", "3"}
     assert "forward-pp-comm" in data["by_optype"] and "forward-send" not in data["by_optype"]
@@ -143,6 +144,7 @@ def test_cli_json_and_report(tmp_path):
 def test_cli_bad_input_is_one_line(tmp_path):
     bad = tmp_path / "bad.h5"
     bad.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 100)
-    cp = subprocess.run([sys.executable, "-m", "greyhound.cli", "postmortem", str(bad)], capture_output=True, text=True, timeout=120)
+    cp = subprocess.run([sys.executable, "-m", "greyhound.cli", "postmortem", str(bad)], capture_output=True, text=True,
+                        timeout=120)
     assert cp.returncode == 1
     assert cp.stderr.count("\n") == 1 and cp.stderr.startswith("greyhound: ") and "Traceback" not in cp.stderr

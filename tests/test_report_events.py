@@ -98,7 +98,8 @@ def test_the_report_lists_the_events_on_the_steps_running_at_their_times(tmp_pat
     data = json.loads((tmp_path / "report" / "postmortem.json").read_text())
     rows = [(e["kind"], e["step_text"], e["summary"]) for e in data["events"]]
     assert rows == [
-        ("control_plane_started", "before step 0", "control plane started (master on n1, 2 nodes, polling every 0.5 s)"),
+        ("control_plane_started", "before step 0",
+         "control plane started (master on n1, 2 nodes, polling every 0.5 s)"),
         ("detected", "3", "detected: job slower 1.80x since tracker iteration 60 (ranks 0-3, 7)"),
         ("suspects", "5", "suspects: compute at rank 3 on n1"),
         ("paused", "7", f"paused {0.1 + 0.5 * (_starts(trace)[8] - _starts(trace)[7]):.3g} s"),

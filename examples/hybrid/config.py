@@ -68,7 +68,8 @@ class DataConfig:
         if self.min_seq_len > self.seq_len:
             raise ValueError(f"DataConfig.min_seq_len={self.min_seq_len} exceeds seq_len={self.seq_len}")
         if self.seqlen_dist not in SEQLEN_DISTRIBUTIONS:
-            raise ValueError(f"DataConfig.seqlen_dist must be one of {', '.join(SEQLEN_DISTRIBUTIONS)}, got {self.seqlen_dist!r}")
+            raise ValueError(f"DataConfig.seqlen_dist must be one of {', '.join(SEQLEN_DISTRIBUTIONS)}, "
+                             f"got {self.seqlen_dist!r}")
         if not self.seqlen_sigma > 0:
             raise ValueError(f"DataConfig.seqlen_sigma must be > 0, got {self.seqlen_sigma!r}")
 
@@ -154,7 +155,8 @@ class TrainConfig:
         _positive("TrainConfig", dp=self.dp, pp=self.pp, steps=self.steps, trace_every=self.trace_every,
                   threads=self.threads)
         if len(self.microbatch_split) != self.dp or min(self.microbatch_split) < 1:
-            raise ValueError(f"TrainConfig.microbatch_split must have dp={self.dp} entries >= 1, got {self.microbatch_split}")
+            raise ValueError(f"TrainConfig.microbatch_split must have dp={self.dp} entries >= 1, "
+                             f"got {self.microbatch_split}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
         if not self.lr > 0:

@@ -921,10 +921,7 @@ class IterationClock:
             tokens, num_tokens, threshold=self.config.threshold,
             tolerance=self.config.tolerance, max_period=self.config.max_period,
         )
-        if p == 1:
-            disproved = num_tokens > 1
-        else:
-            disproved = found is not None and found != p
+        disproved = num_tokens > 1 if p == 1 else (found is not None and found != p)
         if not disproved:
             return
         self._disproved.add(p)

@@ -421,11 +421,11 @@ class ReferenceBocdV(PointwiseFeed):
         A strict majority of the newest ``min_after`` iterations (none before
         ``start``) must have moved by ``min_change`` too, not only of those since
         ``start`` (a disturbance late in a long pending window, on top of a small
-        benign shift, would otherwise carry the majority); the newest ``hold_newest`` iterations (at most ``min_after``, none before
-        ``start``) must each lie nearer the new level than the old one, beyond their
-        geometric mean sqrt(before * after) (the level still holds), and fewer than
-        ``min_after`` or fewer than ``max_visited`` of the old level's iterations
-        ``old`` within half of
+        benign shift, would otherwise carry the majority); the newest ``hold_newest``
+        iterations (at most ``min_after``, none before ``start``) must each lie nearer
+        the new level than the old one, beyond their geometric mean sqrt(before * after)
+        (the level still holds), and fewer than ``min_after`` or fewer than
+        ``max_visited`` of the old level's iterations ``old`` within half of
         ``min_change`` of ``after`` (the level is new)."""
         v = self.verify
         half = 0.5 * v.min_change

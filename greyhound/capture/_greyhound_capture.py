@@ -676,7 +676,7 @@ def patch(dist) -> _HookBinding | None:
     # The ring is not opened here: a program that imports torch but never
     # communicates gets no file. Whether the hook is on is asked on the first call.
     hook = _HookBinding(hook_lib)
-    global HOOK
+    global HOOK  # noqa: PLW0603  (bound once, on install; the wrappers read it)
     HOOK = hook
     dc10d = sys.modules.get("torch.distributed.distributed_c10d")
     if dc10d is None:

@@ -61,11 +61,11 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
 
         try:
             host = connect().node_address(node)
-        except Exception:   # no Slurm answer: the address the host name resolves to
+        except Exception:  # noqa: BLE001  (no Slurm answer: the address the host name resolves to)
             host = socket.gethostbyname(socket.gethostname())
         try:
             redis_proc, address = start_redis(run_dir, host=host)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (fail open: the job runs, only recorded)
             print(f"greyhound: control plane: cannot start the job's Redis: {exc}; greyhound only records "
                   "this job", file=sys.stderr, flush=True)
             append_event(run_dir, "control_plane_failed", why=str(exc))
@@ -141,7 +141,7 @@ def _bcast_flag(comm, flag: bool, stop: _Stop) -> bool:
 def _mark(client, run_dir: Path, state: str, **fields) -> None:
     try:
         store.set_plane_state(client, state, **fields)
-    except Exception:   # Redis is gone too: the event log still says it
+    except Exception:  # noqa: BLE001  (Redis is gone too: the event log still says it)
         pass
     append_event(run_dir, "control_plane_stopped" if state == "stopped" else "control_plane_failed", **fields)
 
@@ -163,7 +163,7 @@ def main() -> None:
         config = PlaneConfig()
     try:
         run(Path(run_dir), node=node, config=config, stop=stop)
-    except Exception as exc:   # fail open, always
+    except Exception as exc:  # noqa: BLE001  (fail open, always)
         print(f"greyhound: control plane: {type(exc).__name__}: {exc}; the job runs on without it",
               file=sys.stderr, flush=True)
     # No MPI_Finalize: at the job's end a peer may already be gone, and finalize would

@@ -101,7 +101,7 @@ def find_suspects(comm_stats: dict[int, dict[str, dict]], *, rank_nodes: dict[in
         groups.append((comm, stats[0].get("op"), float(np.median([s["bytes_per_iter"] for s in stats])),
                        min(float(s["seconds_per_iter"]) for s in stats), tuple(sorted(ranks))))
     used = set()
-    for i, (comm, op, nbytes, _, _) in enumerate(groups):
+    for i, (_, op, nbytes, _, _) in enumerate(groups):
         if i in used or nbytes <= 0:
             continue
         cluster = [j for j, g in enumerate(groups)

@@ -114,7 +114,7 @@ def start_redis(run_dir: str | os.PathLike, *, host: str, timeout_s: float = 10.
         try:
             if client.ping():
                 break
-        except Exception as exc:  # redis-py raises ConnectionError, BusyLoadingError, ...
+        except Exception as exc:  # noqa: BLE001  (redis-py raises ConnectionError, BusyLoadingError, ...)
             if proc.poll() is not None or time.monotonic() > deadline:
                 stop_redis(proc)
                 raise RedisError(f"redis-server on {host}:{port} did not start: {exc} "

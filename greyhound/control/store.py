@@ -13,7 +13,7 @@ has one writer: the module named beside it; everyone else only reads it.
 | ``suspects`` | string | master | JSON list of ``{"kind", "rank", "node", "comm", "why"}`` |
 | ``verdicts`` | list | master | JSON ``{"kind", "rank", "node", "nodes", "severity", "since", "measurements"}`` |
 | ``pauses`` | hash | master | ``count``, ``total_s``, ``last_s`` |
-"""
+"""  # noqa: E501  (a Markdown table: its rows cannot wrap)
 
 from __future__ import annotations
 

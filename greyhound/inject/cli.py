@@ -44,7 +44,10 @@ def _execute(ctx: click.Context, plans: list[schedule.Planned], truth: str | Non
     env = _env(ctx)
     truth_path = _truth_path(env, truth)
     injections = runner.preflight(plans, env=env)
-    notify = (lambda msg: click.echo(f"greyhound: inject: {msg}", err=True))
+
+    def notify(msg: str) -> None:
+        click.echo(f"greyhound: inject: {msg}", err=True)
+
     with runner.StopOnSignals() as guard:
         outcomes = runner.run_plans(plans, env=env, truth_path=truth_path, stop=guard.stop,
                                     injections=injections, notify=notify)

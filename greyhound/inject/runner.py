@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from greyhound.errors import GreyhoundError, InputError
 from greyhound.inject import compute, link, state, truth
@@ -131,7 +131,7 @@ def _run_one(plan: Planned, injection: Injection, outcome: Outcome, *, env: stat
     finally:
         try:
             injection.undo()
-        except Exception as exc:  # keep the state record: undo-all can retry
+        except Exception as exc:  # noqa: BLE001  (keep the state record: undo-all can retry)
             outcome.error = outcome.error or f"undo failed: {exc}"
             notify(f"{injection.id}: UNDO FAILED ({exc}); run `greyhound inject undo-all`")
         else:
@@ -187,7 +187,7 @@ class StopOnSignals:
         self.signum = self.signum or signum
         self.stop.set()
 
-    def __enter__(self) -> "StopOnSignals":
+    def __enter__(self) -> StopOnSignals:
         for sig in _SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handler)
         return self

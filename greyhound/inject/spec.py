@@ -160,9 +160,8 @@ class LinkSpec:
 
     def __post_init__(self) -> None:
         parse_rate_bps(self.rate)
-        if self.burst is not None:
-            if parse_size_bytes(self.burst) < 1600:
-                raise ValueError(f"burst {self.burst!r} is below one packet (1600 bytes)")
+        if self.burst is not None and parse_size_bytes(self.burst) < 1600:
+            raise ValueError(f"burst {self.burst!r} is below one packet (1600 bytes)")
         if not (0 < parse_time_s(self.latency) <= 10):
             raise ValueError(f"latency {self.latency!r} is out of range; allowed (0, 10s]")
         if (self.node is None) == (self.dev is None):
