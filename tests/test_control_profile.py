@@ -57,3 +57,28 @@ def test_a_group_slowed_by_its_compute_straggler_is_not_a_link_suspect():
     suspects = find_suspects(stats, rank_nodes=NODES, compute_share={**SHARE, 1: 0.5, 5: 0.9})
     assert [(s.kind, s.ranks) for s in suspects] == [("compute", (5,))]
 
+
+
+def test_the_rank_whose_own_work_rose_is_named_not_the_one_busier_than_its_peers():
+    # Rank 5 (stage 1 of replica 1) under a CPU quota: its work per iteration rose 2.4x;
+    # replica 1's other stages wait in pipeline calls, so rank 0 computes a larger share
+    # than its DP peer rank 4 (the share comparison's wrong answer here).
+    share = {**SHARE, 0: 0.25, 4: 0.12, 5: 0.24, 1: 0.16}
+    rise = {r: 1.0 for r in NODES} | {5: 2.4, 0: 1.03}
+    suspects = find_suspects(dp_groups({}), rank_nodes=NODES, compute_share=share, compute_rise=rise)
+    assert [(s.kind, s.ranks, s.nodes) for s in suspects] == [("compute", (5,), ("n3",))]
+    assert suspects[0].score == 2.4 and "rose 2.40x" in suspects[0].why
+
+
+def test_a_rise_every_rank_shares_names_nobody():
+    # A busier machine: every rank's work per iteration rose about 1.3x.
+    rise = {r: 1.3 + 0.02 * (r % 3) for r in NODES}
+    assert find_suspects(dp_groups({}), rank_nodes=NODES, compute_share=SHARE, compute_rise=rise) == []
+
+
+def test_without_enough_history_the_ranks_are_compared_with_their_peers():
+    # Only 3 of 8 ranks have a baseline: the share comparison decides (rank 5 vs rank 1).
+    share = {**SHARE, 5: 0.9, 1: 0.5}
+    rise = {5: 1.0, 6: 1.0, 7: 3.0}
+    suspects = find_suspects(dp_groups({}), rank_nodes=NODES, compute_share=share, compute_rise=rise)
+    assert [(s.kind, s.ranks) for s in suspects] == [("compute", (5,))]

@@ -70,20 +70,44 @@ class _Process:
     """The published iteration times were withdrawn: send the list anew."""
     summary_cache: tuple | None = None
     """(change points seen, the slow-interval fields) of the last full summary."""
-    busy: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=BUSY_POLLS))
-    """(wall seconds, seconds inside calls) of the recent polls."""
+    polls: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=HISTORY_POLLS))
+    """(wall seconds, seconds inside calls, iterations completed) of the recent polls."""
     last_poll: float | None = None
 
     def compute_share(self) -> float | None:
         """Fraction of the recent wall time the process spent outside communication calls."""
-        wall = sum(w for w, _ in self.busy)
+        recent = list(self.polls)[-RECENT_POLLS:]
+        wall = sum(w for w, _, _ in recent)
         if wall <= 0:
             return None
-        return max(0.0, 1.0 - sum(b for _, b in self.busy) / wall)
+        return max(0.0, 1.0 - sum(b for _, b, _ in recent) / wall)
+
+    def compute_per_iteration(self) -> tuple[float | None, float | None]:
+        """(recent, baseline) seconds a training iteration spends outside communication
+        calls: over the last ``RECENT_POLLS`` polls, and over the polls before them.
+
+        A rank's own work per iteration stays what it was unless that rank slows: the
+        ranks that wait for a slow one wait inside calls. So the rank whose figure rose
+        against its own past is the compute straggler, whatever its pipeline stage
+        (stages differ in their share of compute; a rank is compared with itself).
+        """
+        polls = list(self.polls)
+        return _per_iteration(polls[-RECENT_POLLS:]), _per_iteration(polls[:-RECENT_POLLS])
 
 
-BUSY_POLLS = 10
-"""Polls the compute share covers (5 s at the default poll)."""
+def _per_iteration(polls: list[tuple[float, float, int]]) -> float | None:
+    iterations = sum(k for _, _, k in polls)
+    if iterations < MIN_ITERATIONS:
+        return None
+    return max(0.0, sum(w - b for w, b, _ in polls)) / iterations
+
+
+RECENT_POLLS = 10
+"""Polls the recent figures cover (5 s at the default poll)."""
+HISTORY_POLLS = 70
+"""Polls kept: the baseline covers the 60 before the recent ones (30 s at the default
+poll; a slowdown found within seconds of its onset leaves it clean)."""
+MIN_ITERATIONS = 3
 _IS_BLOCKING = op_mask(CALL_OPS | {OP["Wait"]})
 _IS_COLLECTIVE = op_mask(OP[n] for n in ("AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce",
                                          "Barrier"))
@@ -131,10 +155,14 @@ class NodeAgent:
         now = time.monotonic()
         for proc in self.processes.values():
             batch = proc.reader.read()
-            if proc.last_poll is not None:
-                proc.busy.append((now - proc.last_poll, blocked_seconds(batch.records)))
-            proc.last_poll = now
+            was_locked = proc.tracker.locked
             update = proc.tracker.feed(batch.records, lost=batch.lost)
+            # The poll that locks on reports every iteration since the warm-up at once,
+            # and a re-lock withdraws some: neither is this poll's work.
+            if proc.last_poll is not None and was_locked and update.withdrawn_from is None:
+                proc.polls.append((now - proc.last_poll, blocked_seconds(batch.records),
+                                   len(update.iteration_times)))
+            proc.last_poll = now
             if update.withdrawn_from is not None:     # a re-lock renumbered these iterations
                 proc.published_iterations = min(proc.published_iterations, update.withdrawn_from)
                 proc.republish = True
@@ -234,6 +262,7 @@ class NodeAgent:
                 "node": self.node, "pid": info.pid, **self.summary(proc),
                 "window_s": float(window.mean()) if len(window) else None,
                 "compute_share": proc.compute_share(),
+                **dict(zip(("compute_s", "compute_base_s"), proc.compute_per_iteration())),
                 "counters": proc.reader.counters(),
             }, comms=self.comm_stats(proc) if with_comms else None)
         pipe.hset(store.agent_key(self.node), mapping={

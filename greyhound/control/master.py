@@ -122,7 +122,8 @@ class Master:
         stats = store.read_comm_stats(self.client, ranks)
         suspects = find_suspects(stats, rank_nodes={r: s.get("node", "?") for r, s in ranks.items()},
                                  compute_share={r: float(s["compute_share"]) for r, s in ranks.items()
-                                                if s.get("compute_share") not in (None, "")})
+                                                if s.get("compute_share") not in (None, "")},
+                                 compute_rise=_compute_rise(ranks))
         ep.polls += 1
         for s in suspects:
             key = (s.kind, s.ranks if s.kind == "compute" else s.nodes)
@@ -139,7 +140,7 @@ class Master:
             self.complete_validation(None)
             return
         compute = [s.ranks[0] for s in settled if s.kind == "compute"]
-        groups = {}
+        groups: dict[str, list[int]] = {}
         for rank, comms in store.read_comm_stats(self.client, ranks).items():
             for comm in comms:
                 groups.setdefault(comm, []).append(rank)
@@ -205,6 +206,16 @@ def _verdict(suspects: list[Suspect], results: list[dict] | None, ep: _Episode, 
     why = top.why + ("; validation did not confirm it" if results is not None else "; not validated")
     return {"kind": top.kind if results is None else "unknown", "where": top.as_dict()["where"],
             "ranks": list(top.ranks), "nodes": list(top.nodes), "why": why, **base}
+
+
+def _compute_rise(ranks: dict) -> dict[int, float]:
+    """rank -> its recent work per iteration / its earlier one, where the agent had both."""
+    out = {}
+    for rank, state in ranks.items():
+        recent, base = state.get("compute_s"), state.get("compute_base_s")
+        if recent not in (None, "") and base not in (None, "") and float(base) > 0:
+            out[rank] = float(recent) / float(base)
+    return out
 
 
 def _key(s: Suspect) -> str:

@@ -9,14 +9,18 @@ Two signals, both read from calls the job makes anyway (nothing is paused):
   is the transfer itself; the others' include waiting. A communicator more than
   ``LINK_TOLERANCE`` above its cluster's median transfer time is suspect, and so are
   the nodes its members run on.
-- **Compute straggler.** A rank's compute share is the fraction of wall time it spends
-  outside communication calls (the agent measures it from the rings: calls and waits
-  are timed, the rest is the rank's own work). Ranks that share a collective (a DP
-  group: one pipeline stage in each replica) do the same work, so a member whose share
-  is more than ``COMPUTE_TOLERANCE`` above its peers', by at least ``WAIT_FRACTION``,
-  is the compute suspect: it works while its peers wait inside calls. (Arrival order
-  alone would name the whole slow pipeline replica: in 1F1B every stage of the
-  replica behind a slow stage arrives late at its DP all-reduce.)
+- **Compute straggler.** A rank's own work is the time it spends outside communication
+  calls (the agent measures it from the rings: calls and waits are timed, the rest is
+  the rank's work). Per iteration, it stays what it was on every rank but a slow one:
+  the others only wait longer inside calls. So the rank whose work per iteration rose
+  against its own past (``compute_rise``) by more than ``COMPUTE_TOLERANCE`` beyond the
+  median rank's rise is the compute suspect; a rise every rank shares (a busier
+  machine) names nobody. Without that history (a rank tracked for a few seconds only),
+  ranks that share a collective (a DP group: one pipeline stage in each replica) are
+  compared by their share of time outside calls, which confounds a rank's work with
+  its pipeline waits. (Arrival order alone would name the whole slow pipeline
+  replica: in 1F1B every stage of the replica behind a slow stage arrives late at its
+  DP all-reduce.)
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ def _members(comm_stats: dict[int, dict[str, dict]]) -> dict[str, dict[int, dict
 
 
 def find_suspects(comm_stats: dict[int, dict[str, dict]], *, rank_nodes: dict[int, str],
-                  compute_share: dict[int, float]) -> list[Suspect]:
+                  compute_share: dict[int, float], compute_rise: dict[int, float] | None = None) -> list[Suspect]:
     """Suspects, most suspicious first.
 
     Args:
@@ -72,8 +76,39 @@ def find_suspects(comm_stats: dict[int, dict[str, dict]], *, rank_nodes: dict[in
             (as the agents publish them).
         rank_nodes: rank -> node name.
         compute_share: rank -> fraction of its recent wall time spent outside calls.
+        compute_rise: rank -> its recent work per iteration / its earlier one (ranks
+            without enough history left out).
     """
     members = _members(comm_stats)
+    if compute_rise and 2 * len(compute_rise) >= max(len(compute_share), 2):
+        suspects = _risen(compute_rise, rank_nodes)
+    else:
+        suspects = _busier_than_peers(members, compute_share, rank_nodes)
+    suspects += _slow_groups(members, rank_nodes)
+    # A group whose member is a compute suspect is slow because of it (collectives on
+    # CPU-driven transports run at the slow rank's pace too): not a link suspect.
+    slow_ranks = {r for s in suspects if s.kind == "compute" for r in s.ranks}
+    suspects = [s for s in suspects if s.kind == "compute" or not slow_ranks & set(s.ranks)]
+    # Scores of the two kinds are not comparable: compute suspects first, each kind by score.
+    return sorted(suspects, key=lambda s: (s.kind != "compute", -s.score))
+
+
+def _risen(compute_rise: dict[int, float], rank_nodes: dict[int, str]) -> list[Suspect]:
+    """Ranks whose own work per iteration rose more than the median rank's."""
+    median = float(np.median(list(compute_rise.values())))
+    out = []
+    for rank, rise in compute_rise.items():
+        if median > 0 and rise > (1 + COMPUTE_TOLERANCE) * median and rise > 1 + COMPUTE_TOLERANCE:
+            out.append(Suspect(kind="compute", ranks=(rank,), nodes=(rank_nodes.get(rank, "?"),), comm=None,
+                               score=rise / median,
+                               why=f"its own work per iteration rose {rise:.2f}x (the median rank's: "
+                                   f"{median:.2f}x); the others wait in calls"))
+    return out
+
+
+def _busier_than_peers(members: dict[str, dict[int, dict]], compute_share: dict[int, float],
+                       rank_nodes: dict[int, str]) -> list[Suspect]:
+    """Ranks computing a larger share of their time than the members of their collectives."""
     suspects: list[Suspect] = []
     peer_groups = [sorted(ranks) for ranks in members.values()
                    if len(ranks) >= 2 and next(iter(ranks.values())).get("op") in COLLECTIVE_OPS]
@@ -94,7 +129,12 @@ def find_suspects(comm_stats: dict[int, dict[str, dict]], *, rank_nodes: dict[in
                                 score=extra,
                                 why=f"computes {compute_share[rank]:.0%} of the time, {extra:.0%} more than "
                                     "the ranks it shares a collective with (they wait in calls)"))
-    # Link: a communicator slower than others moving the same bytes with the same op.
+    return suspects
+
+
+def _slow_groups(members: dict[str, dict[int, dict]], rank_nodes: dict[int, str]) -> list[Suspect]:
+    """Communicators slower than others moving the same bytes with the same op."""
+    suspects: list[Suspect] = []
     groups = []
     for comm, ranks in members.items():
         stats = list(ranks.values())
@@ -111,15 +151,10 @@ def find_suspects(comm_stats: dict[int, dict[str, dict]], *, rank_nodes: dict[in
             continue
         median = float(np.median([groups[j][3] for j in cluster]))
         for j in cluster:
-            c, _, _, t, ranks = groups[j]
+            c, _, _, t, group_ranks = groups[j]
             if median > 0 and t > (1 + LINK_TOLERANCE) * median:
-                nodes = tuple(sorted({rank_nodes.get(r, "?") for r in ranks}))
-                suspects.append(Suspect(kind="link", ranks=ranks, nodes=nodes, comm=c, score=t / median,
+                nodes = tuple(sorted({rank_nodes.get(r, "?") for r in group_ranks}))
+                suspects.append(Suspect(kind="link", ranks=group_ranks, nodes=nodes, comm=c, score=t / median,
                                         why=f"{op} on comm {c} takes {t / median:.2f}x the median of "
                                             f"{len(cluster)} groups moving {nbytes:.0f} bytes per iteration"))
-    # A group whose member is a compute suspect is slow because of it (collectives on
-    # CPU-driven transports run at the slow rank's pace too): not a link suspect.
-    slow_ranks = {r for s in suspects if s.kind == "compute" for r in s.ranks}
-    suspects = [s for s in suspects if s.kind == "compute" or not slow_ranks & set(s.ranks)]
-    # Scores of the two kinds are not comparable: compute suspects first, each kind by score.
-    return sorted(suspects, key=lambda s: (s.kind != "compute", -s.score))
+    return suspects

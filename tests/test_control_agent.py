@@ -1,0 +1,30 @@
+"""The node agent's per-rank figures from its polls (pure: no ring needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from greyhound.control.agent import HISTORY_POLLS, RECENT_POLLS, _Process
+
+
+def test_work_per_iteration_recently_and_before():
+    proc = _Process(reader=None, tracker=None)
+    for _ in range(30):                     # 2 iterations a poll, 0.1 s of work each
+        proc.polls.append((0.5, 0.3, 2))
+    for _ in range(RECENT_POLLS):           # then 0.2 s each: 0.4 s of 0.5 s outside calls
+        proc.polls.append((0.5, 0.1, 2))
+    recent, before = proc.compute_per_iteration()
+    assert recent == pytest.approx(0.2) and before == pytest.approx(0.1)
+    assert proc.compute_share() == pytest.approx(0.8)
+
+
+def test_no_figure_without_iterations_and_the_history_is_bounded():
+    proc = _Process(reader=None, tracker=None)
+    assert proc.compute_per_iteration() == (None, None) and proc.compute_share() is None
+    for _ in range(RECENT_POLLS):
+        proc.polls.append((0.5, 0.5, 0))    # held in calls the whole time: no iteration
+    assert proc.compute_per_iteration() == (None, None)
+    for _ in range(3 * HISTORY_POLLS):
+        proc.polls.append((0.5, 0.25, 1))
+    assert len(proc.polls) == HISTORY_POLLS
+    assert proc.compute_per_iteration() == (pytest.approx(0.25), pytest.approx(0.25))
