@@ -125,3 +125,20 @@ def test_killing_the_master_while_the_job_is_paused_changes_nothing_in_the_job(c
     got, want = losses(tmp_path / "out"), losses(tmp_path / "plain")
     assert len(got) == len(want) == steps
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6
+
+
+def test_a_narrowed_link_on_one_node_is_named_as_a_link_fail_slow_on_that_node(cluster, tmp_path):
+    # tc tbf on n3's veth and eth0 (the netns cluster): every path in or out of n3 runs
+    # at 100 Mbit/s. Profiling points at n3's groups; the P2P tests find n3's links slow.
+    job = submit(tmp_path / "out", 150)
+    wait_tracking(job.job_id)
+    run_dir = RUN_DIR_BASE / job.job_id
+    inject = subprocess.Popen([GREYHOUND, "inject", "link", "--node", "n3", "--rate", "100mbit",
+                               "--duration", "40"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert job.wait(900) == "COMPLETED", job.text()
+    assert inject.wait(120) == 0, inject.stderr.read()
+    events = read_events(run_dir)
+    verdicts = [e["verdict"] for e in events if e["kind"] == "verdict"]
+    assert verdicts, events
+    assert (verdicts[0]["kind"], verdicts[0]["nodes"]) == ("link", ["n3"]), verdicts[0]
+    assert verdicts[0]["validated"] is True, verdicts[0]

@@ -138,3 +138,21 @@ def test_a_failed_pause_gives_an_unvalidated_verdict(job):
     master.complete_validation({"paused": False, "why": "not every rank reached the pause iteration in time"})
     v = master.episode.verdict
     assert v["validated"] is False and v["kind"] == "compute" and v["why"].endswith("not validated")
+
+
+def test_a_confirmed_link_suspect_is_narrowed_to_the_node_its_slow_links_share():
+    # The slow group joins n2 and n3; the P2P tests find n2-n3 and n3-n4 slow: n3.
+    from greyhound.control.master import _Episode, _verdict
+    from greyhound.control.profile import Suspect
+
+    group = Suspect(kind="link", ranks=(2, 4), nodes=("n2", "n3"), comm="c1", score=1.4, why="slow group")
+    slow = [{"link": "n2-n3", "node": "n3", "ratio": 0.2, "bandwidth_Bps": 1e7},
+            {"link": "n3-n4", "node": "n3", "ratio": 0.2, "bandwidth_Bps": 1e7}]
+    results = [{"key": "link:n2,n3", "nodes": ["n2", "n3"], "slow_links": slow, "confirmed": True}]
+    verdict = _verdict([group], results, _Episode(onset=30, slowdown=1.3, detected_s=0.0), {"slow_links": slow})
+    assert (verdict["kind"], verdict["where"], verdict["nodes"], verdict["validated"]) == ("link", "n3", ["n3"], True)
+    # Slow links that share no node leave the group's nodes as they are.
+    apart = [dict(slow[0], node=None)]
+    results = [{"key": "link:n2,n3", "nodes": ["n2", "n3"], "slow_links": apart, "confirmed": True}]
+    verdict = _verdict([group], results, _Episode(onset=30, slowdown=1.3, detected_s=0.0), {"slow_links": apart})
+    assert (verdict["where"], verdict["nodes"]) == ("n2,n3", ["n2", "n3"])

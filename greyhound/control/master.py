@@ -191,8 +191,13 @@ def _verdict(suspects: list[Suspect], results: list[dict] | None, ep: _Episode, 
         if confirmed:
             top = confirmed[0]
             measured = next(r for r in results if r["key"] == _key(top))
-            return {"kind": top.kind, "where": top.as_dict()["where"], "ranks": list(top.ranks),
-                    "nodes": list(top.nodes), "why": top.why, "measured": measured, **base}
+            where, nodes = top.as_dict()["where"], list(top.nodes)
+            # A slow group spans nodes; the P2P tests say which one the slow links share.
+            shared = {s["node"] for s in measured.get("slow_links", []) if s.get("node")} & set(nodes)
+            if top.kind == "link" and len(shared) == 1:
+                where, nodes = next(iter(shared)), sorted(shared)
+            return {"kind": top.kind, "where": where, "ranks": list(top.ranks),
+                    "nodes": nodes, "why": top.why, "measured": measured, **base}
         slow = (outcome or {}).get("slow_links") or []
         if slow:
             node = slow[0]["node"]
