@@ -75,8 +75,8 @@ def read_detect_input(path: str) -> DetectInput:
     except UnicodeDecodeError:
         raise InputError(f"{path}: not a readable CSV: the header is not UTF-8 text") from None
     table = table.rename_columns(names)
-    names = set(table.column_names)
-    if _SERIES_COLUMN in names:
+    columns = set(table.column_names)
+    if _SERIES_COLUMN in columns:
         if table.num_rows == 0:
             raise InputError(f"{path}: header but no rows; {_WHAT}")
         x = _numeric(path, table, _SERIES_COLUMN)
@@ -86,10 +86,10 @@ def read_detect_input(path: str) -> DetectInput:
                 f"{path}: line {bad[0] + 2}: iteration_time must be > 0 seconds, "
                 f"got {float(x[bad[0]])!r}"
             )
-        if "time" in names:
+        if "time" in columns:
             _check_sorted(path, _numeric(path, table, "time"))
         return DetectInput(iteration_times=x, period=None, num_calls=None)
-    missing = [c for c in _TRACE_COLUMNS if c not in names]
+    missing = [c for c in _TRACE_COLUMNS if c not in columns]
     if missing:
         raise InputError(
             f"{path}: missing column(s) {','.join(missing)}; {_WHAT} "

@@ -535,9 +535,10 @@ class RingReader:
 
     def close(self) -> None:
         """Releases the mapping (arrays returned by read stay valid: they are copies)."""
-        self._hdr = None
-        self._records = None
-        self._comms = None
+        # Drops the views so that the map can close; a closed reader is not read again.
+        self._hdr = None  # type: ignore[assignment]
+        self._records = None  # type: ignore[assignment]
+        self._comms = None  # type: ignore[assignment]
         self._map.close()
 
     def __enter__(self) -> RingReader:

@@ -211,7 +211,7 @@ class CommandLineClient:
         if not match:
             raise SlurmError(f"node {node}: scontrol shows no NodeAddr")
         try:
-            return socket.getaddrinfo(match.group(1), None, socket.AF_INET)[0][4][0]
+            return str(socket.getaddrinfo(match.group(1), None, socket.AF_INET)[0][4][0])
         except OSError as exc:
             raise SlurmError(f"node {node}: cannot resolve NodeAddr {match.group(1)}: {exc}") from None
 
@@ -350,7 +350,7 @@ def connect() -> SlurmClient:
     backend, reason = choose_backend()
     log.debug("slurm backend: %s (%s)", backend, reason)
     if backend == "pyslurm":
-        import pyslurm  # type: ignore[import-not-found]
+        import pyslurm
 
         return PySlurmClient(pyslurm)
     return CommandLineClient()

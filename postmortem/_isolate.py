@@ -45,7 +45,7 @@ def run_isolated(fn, *args, timeout: float, what: str):
         try:
             _quiet()
             try:
-                result = ("ok", fn(*args))
+                result: tuple = ("ok", fn(*args))
             except GreyhoundError as exc:
                 result = ("error", exc, None)
             except BaseException as exc:  # noqa: BLE001 - handed to the parent as is
@@ -85,10 +85,10 @@ def run_isolated(fn, *args, timeout: float, what: str):
         raise ReaderFailed(f"{what} exited reading the file (status {os.waitstatus_to_exitcode(status)})")
     if payload[0] == "ok":
         return payload[1]
-    exc, tb = payload[1], payload[2]
-    if tb and not isinstance(exc, GreyhoundError):
-        exc.add_note("in the reader's child process:\n" + tb)
-    raise exc
+    error, tb = payload[1], payload[2]
+    if tb and not isinstance(error, GreyhoundError):
+        error.add_note("in the reader's child process:\n" + tb)
+    raise error
 
 
 def _quiet() -> None:
@@ -113,7 +113,8 @@ def _send(fd: int, result) -> None:
     raws = [b.raw() for b in buffers]
     index = pickle.dumps((len(head), [m.nbytes for m in raws]))
     with os.fdopen(fd, "wb", buffering=0) as out:
-        for chunk in (_LEN.pack(len(index)), index, head, *raws):
+        chunks: tuple[bytes | memoryview, ...] = (_LEN.pack(len(index)), index, head, *raws)
+        for chunk in chunks:
             view = memoryview(chunk).cast("B")
             while view:
                 view = view[out.write(view):]

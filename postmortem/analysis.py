@@ -188,7 +188,7 @@ def _top_worker(result: Result) -> dict:
 
 
 def _dominant_kind(by_optype: dict[str, float]) -> str:
-    name = max(by_optype, key=by_optype.get) if by_optype else "none"
+    name = max(by_optype, key=by_optype.__getitem__) if by_optype else "none"
     if name.endswith("-compute") or name == "optimizer":
         return "compute"
     if name == "gc":

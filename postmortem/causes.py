@@ -113,7 +113,7 @@ def _stage_imbalance(model: Model, attr: Attribution, lost: float) -> list[Cause
             if others > 0:
                 name = "forward" if code == OPTYPE_CODE["forward-compute"] else "backward"
                 ratios[name] = float(typical[-1] / others)
-    top_pp = max(attr.by_pp_rank, key=attr.by_pp_rank.get)
+    top_pp = max(attr.by_pp_rank, key=attr.by_pp_rank.__getitem__)
     if attr.ms < 0.3 and max(ratios.values(), default=1.0) < 1.1:
         return []
     conf = float(np.clip(attr.ms, 0.0, 1.0))
@@ -159,7 +159,7 @@ def _seq_imbalance(trace: Trace, model: Model, attr: Attribution) -> list[Cause]
     evidence: dict = {"forward_backward_correlation": round(corr, 3), "per_stage": [round(c, 3) for c in corrs]}
     sq_corr = None
     if trace.seqlens is not None:
-        sq_corr, gain = _seqlen_evidence(trace, model)
+        sq_corr, gain = _seqlen_evidence(trace.seqlens, model)
         if sq_corr is not None:
             evidence["compute_vs_sum_sq_seqlen_correlation"] = round(sq_corr, 3)
             evidence["greedy_rebalance_max_over_mean_before_after"] = gain
@@ -178,8 +178,7 @@ def _seq_imbalance(trace: Trace, model: Model, attr: Attribution) -> list[Cause]
     ]
 
 
-def _seqlen_evidence(trace: Trace, model: Model):
-    s = trace.seqlens
+def _seqlen_evidence(s: dict[str, np.ndarray], model: Model):
     q = np.add.reduceat((s["lengths"].astype(np.float64) ** 2), s["offsets"][:-1]) if s["lengths"].size else None
     if q is None:
         return None, None

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from greyhound.errors import GreyhoundError, InputError
@@ -94,7 +94,7 @@ _ENV_SETTINGS = {
 }
 
 
-def read_config(env: dict[str, str] | None = None, *, plugstack: Path = PLUGSTACK_ENTRY) -> EpilogConfig:
+def read_config(env: Mapping[str, str] | None = None, *, plugstack: Path = PLUGSTACK_ENTRY) -> EpilogConfig:
     """The epilog's settings: plugstack ``rundir=`` and the ``GREYHOUND_EPILOG_*`` variables
     of slurmctld's environment. A bad variable is logged and its default kept."""
     env = os.environ if env is None else env
@@ -137,7 +137,7 @@ def job_owner(uid: int, gid: int) -> JobOwner:
                     name=entry.pw_name, home=entry.pw_dir)
 
 
-def job_owner_ids(job_id: str, client, env: dict[str, str]) -> tuple[int, int]:
+def job_owner_ids(job_id: str, client, env: Mapping[str, str]) -> tuple[int, int]:
     """(uid, gid) of the job: SLURM_JOB_UID/GID as slurmctld gives them to EpilogSlurmctld,
     else what Slurm says (a run by hand)."""
     try:
@@ -284,7 +284,7 @@ def analyze_as_user(job_id: str, owner: JobOwner, config: EpilogConfig) -> str |
         return f"greyhound: no post-mortem: {exc} (exit status {rc}{': ' + last if last else ''})"
 
 
-def run(job_id: str, *, config: EpilogConfig | None = None, env: dict[str, str] | None = None) -> str | None:
+def run(job_id: str, *, config: EpilogConfig | None = None, env: Mapping[str, str] | None = None) -> str | None:
     """The post-mortem of job_id; returns the summary put on its record (None: not greyhound's)."""
     job_id = check_job_id(job_id)
     config = config or read_config(env)

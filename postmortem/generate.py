@@ -166,7 +166,7 @@ def generate(job: SyntheticJob) -> tuple[Trace, Truth]:
         slow[d, :] *= f
     weights = np.asarray(job.stage_weights if job.stage_weights is not None else np.ones(P), float)
     seq_factor = np.ones((N, D, M))
-    seqlens = None
+    seqlens: dict[str, np.ndarray] | None = None
     if job.seqlen_max > 0:
         k = job.samples_per_microbatch
         lengths = rng.integers(16, job.seqlen_max + 1, size=(N, D, M, k)).astype(np.int32)
@@ -210,7 +210,7 @@ def generate(job: SyntheticJob) -> tuple[Trace, Truth]:
     ops = _rows_to_ops(rows_slow, offsets, N=N, D=D)
     dd, pp_ = np.meshgrid(np.arange(D), np.arange(P), indexing="ij")
     rank = (dd * P + pp_).ravel()
-    workers = {
+    workers: dict[str, np.ndarray] = {
         "rank": rank.astype(np.int32),
         "dp_rank": dd.ravel().astype(np.int16),
         "pp_rank": pp_.ravel().astype(np.int16),

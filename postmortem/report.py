@@ -213,6 +213,7 @@ def chrome_trace(result: Result) -> dict:
     )
     keep = np.zeros((1, m.num_template_ops, m.dp), bool)
     sim = simulate(one, ideal=a.ideal.work, keep_real=keep, record=True)
+    assert sim.launch is not None and sim.end is not None  # recorded
     n_t = m.num_template_ops
     ranks = list(range(m.dp))
     if n_t * m.dp * 2 > MAX_TRACE_EVENTS:

@@ -471,7 +471,8 @@ def _read_attrs(f, *, where: str) -> tuple[TraceMeta, list[str]]:
     if not isinstance(version, (int, np.integer)) or int(version) != SCHEMA_VERSION:
         raise InputError(f"{where}: trace schema version {version!r}, this greyhound reads {SCHEMA_VERSION}")
     try:
-        meta = TraceMeta.from_json(_attr_text(f, "meta"))
+        # None (absent, or not text) raises TypeError: bad job metadata, as any other.
+        meta = TraceMeta.from_json(_attr_text(f, "meta"))  # type: ignore[arg-type]
     except (KeyError, TypeError, ValueError, RecursionError) as exc:
         raise InputError(f"{where}: bad job metadata: {_one_line(exc)}") from None
     try:

@@ -102,7 +102,7 @@ def _columns(model: Model, keep: np.ndarray, ideal: np.ndarray) -> list[np.ndarr
     full = np.arange(D)
     if ideal.shape[1] != 1 or ideal.shape[2] != 1:
         return [full] * S
-    real_ranks = keep.any(axis=1)  # (S, D)
+    real_ranks = np.any(keep, axis=1)  # (S, D)
     pres = model.present
     out = []
     for s in range(S):
@@ -178,6 +178,7 @@ def _walk_live(model: Model, ideal: np.ndarray, keep: np.ndarray, cols: np.ndarr
     for lv in model.levels:
         ops = lv.ops
         rd = lv.read
+        assert rd is not None  # build_model plans every level's buffer rows
         g = buf[rd[:, 0]]  # (n_l, S, W, Nb) launch
         for j in range(1, rd.shape[1]):
             np.maximum(g, buf[rd[:, j]], out=g)
@@ -207,7 +208,7 @@ def _walk(model: Model, ideal: np.ndarray, keep: np.ndarray, record: bool):
         ops = lv.ops
         pr = lv.pred
         la = end[pr[:, 0]] if pr.shape[1] == 1 else end[pr].max(axis=1)  # (n_l, S, D, N)
-        if record:
+        if launch_rec is not None:
             launch_rec[ops] = la
         g = la
         if lv.spans is not None:
@@ -216,6 +217,6 @@ def _walk(model: Model, ideal: np.ndarray, keep: np.ndarray, record: bool):
         _group_max(g, lv)
         end[ops] = g + np.where(keep_t[ops], real[ops], ideal_full[ops])
     step_time = end[:n_t].max(axis=(0, 2))  # (S, N)
-    if record:
+    if launch_rec is not None:
         return step_time, launch_rec.transpose(1, 0, 2, 3), end[:n_t].transpose(1, 0, 2, 3)
     return step_time, None, None

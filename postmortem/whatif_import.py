@@ -225,8 +225,8 @@ def _workers_from(ops: dict, table, *, dp: int, pp: int, where: str) -> dict[str
             f"{where}: meta declares dp_size x pp_size = {dp} x {pp} = {dp * pp} workers, but the trace "
             f"has only {table.num_rows} op rows; dp_size and pp_size must be the traced job's"
         )
-    d, p = np.meshgrid(np.arange(dp), np.arange(pp), indexing="ij")
-    d, p = d.ravel(), p.ravel()
+    grid_d, grid_p = np.meshgrid(np.arange(dp), np.arange(pp), indexing="ij")
+    d, p = grid_d.ravel(), grid_p.ravel()
     rank = np.full(d.size, -1, np.int32)
     if "rank" in table.column_names:
         col = table.column("rank")

@@ -980,13 +980,13 @@ class IterationClock:
             hi = min(s0 + rows * p, n - p)
             same = np.zeros(rows * p, dtype=bool)
             same[: hi - s0] = self._same(s0, hi, p, use_bytes)
-            same = same.reshape(rows, p)
+            same_rows = same.reshape(rows, p)
             full = block + 2 * p - 1 < n
-            has = same.any(axis=1)
+            has = np.any(same_rows, axis=1)
             ready = has | full
             stop = rows if ready.all() else int(np.argmin(ready))
             if stop:
-                q = np.where(has[:stop], np.argmax(same[:stop], axis=1), 0)
+                q = np.where(has[:stop], np.argmax(same_rows[:stop], axis=1), 0)
                 t = self._cols(s0, min(n, s0 + stop * p + p))[3]
                 used = np.arange(stop) * p + q
                 times.append(t[used + p] - t[used])
@@ -1035,9 +1035,9 @@ class IterationClock:
         # back[j - s0] for call j in [s0, s0 + rows p): call j equals call j - p.
         same = self._same(lo, s0 + rows * p - p, p, seg.tokens_use_bytes)
         back[lo + p - s0 :] = same
-        back = back.reshape(rows, p)
-        has = back.any(axis=1)
-        q = p - 1 - np.argmax(back[:, ::-1], axis=1)
+        back_rows = back.reshape(rows, p)
+        has = np.any(back_rows, axis=1)
+        q = p - 1 - np.argmax(back_rows[:, ::-1], axis=1)
         block = s0 + p * np.arange(rows)
         # A row without a match waits for the next iteration's first call.
         ready = has | (block + p < n)

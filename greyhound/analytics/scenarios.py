@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -623,7 +624,7 @@ def summarize(scores: list[JobScore], *, iterations: int | None = None) -> dict:
     neg = [s for s in scores if not s.positive]
     delays = [d for s in scores for d in s.delays]
     episodes = sum(s.episodes for s in scores)
-    out = {
+    out: dict[str, Any] = {
         "jobs": len(scores),
         "accuracy": sum(s.correct for s in scores) / len(scores) if scores else None,
         "correct": sum(s.correct for s in scores),

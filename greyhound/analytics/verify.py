@@ -91,7 +91,7 @@ _KERNEL_MISSING = ""
 try:
     from greyhound.analytics import _bocdv
 except ImportError as exc:  # an install that skipped the build, or a stale build
-    _bocdv = None
+    _bocdv = None  # type: ignore[assignment]  # CompiledBocdV checks for it
     _KERNEL_MISSING = (
         "greyhound: analytics: the compiled BOCD+V kernel (greyhound.analytics._bocdv) "
         f"cannot be imported: {exc}; run scripts/setup or pip install -e ."
@@ -440,7 +440,7 @@ class ReferenceBocdV(PointwiseFeed):
         elif high > before * (1.0 - v.min_change) or not np.all(newest <= middle):
             return False
         visited = np.count_nonzero((old >= after / (1.0 + half)) & (old <= after * (1.0 + half)))
-        return visited < v.min_after or visited < v.max_visited * len(old)
+        return bool(visited < v.min_after or visited < v.max_visited * len(old))
 
     def _accept(self, start: int, t: int, before: float, after: float) -> ChangePoint:
         self._rebaseline(start)

@@ -147,7 +147,7 @@ def _import_fastpath():
     """The _greyhound_fastpath extension, or None. Installed, it sits beside this file
     (on PYTHONPATH); in a build tree, in python/ next to the hook library."""
     try:
-        import _greyhound_fastpath
+        import _greyhound_fastpath  # type: ignore[import-not-found]  # a C extension, built in spank/
         return _greyhound_fastpath
     except ImportError:
         pass
@@ -243,7 +243,7 @@ class _HookBinding:
         self.groups_seen: dict[int, int] = {}  # FNV of the members -> groups of them
         self.req_ids = itertools.count(1)
         self.c_hook_records_nccl = self._interposes("ncclAllReduce")
-        self.on = None            # asked on the first call: the ring opens only then
+        self.on: bool | None = None  # asked on the first call: the ring opens only then
         self.fastpath = _load_fastpath(lib)
         self.waits = _WaitRecorder(self)
         os.register_at_fork(after_in_child=self._after_fork)
@@ -571,7 +571,7 @@ def _python_wrapper(fn, name: str, fn_params: dict, hook: _HookBinding, dc10d):
         end_head(head)            # takes t_end and writes the record
         return result
 
-    recorded_call.__greyhound_wrapped__ = fn
+    recorded_call.__greyhound_wrapped__ = fn  # type: ignore[attr-defined]  # the marker of our wrappers
     return recorded_call
 
 
@@ -663,7 +663,7 @@ def _wrap_batch(fn, hook: _HookBinding, dc10d):
             hook.waits.track(work, req)
         return works
 
-    recorded_batch.__greyhound_wrapped__ = fn
+    recorded_batch.__greyhound_wrapped__ = fn  # type: ignore[attr-defined]  # the marker of our wrappers
     return recorded_batch
 
 

@@ -27,7 +27,7 @@ import weakref
 if __package__:     # greyhound.capture, in a checkout (tests)
     from . import _greyhound_capture as capture
 else:               # installed: sitecustomize loaded the capture as a top-level module
-    import _greyhound_capture as capture
+    import _greyhound_capture as capture  # type: ignore[import-not-found, no-redef]  # the same module
 
 AS_TORCH_BUILT_IT = "DDP runs as torch built it"
 UNRECORDED_BUCKETS = "its buckets go unrecorded"
@@ -49,7 +49,7 @@ class DDPModelState:
         self.pg = None
         self.comm_id = 0
         self.scale = 1.0
-        self.user = None        # (state, hook) registered after ours: ours hands over
+        self.user: tuple | None = None  # (state, hook) registered after ours: ours hands over
         self.join_work = None   # this forward's count of ranks not joined (Join)
         self.join_scale = None
 
@@ -207,7 +207,7 @@ class DDPCapture:
                                  then="its buckets may be scaled by the world size")
             return work
 
-        notify_join_context.__greyhound_wrapped__ = fn
+        notify_join_context.__greyhound_wrapped__ = fn  # type: ignore[attr-defined]  # our wrappers' marker
         join_cls.notify_join_context = staticmethod(notify_join_context)
 
     def builtin_after_ours(self, model, model_state: DDPModelState, comm_hook_type) -> None:

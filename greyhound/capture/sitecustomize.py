@@ -47,6 +47,7 @@ def _load(name: str):
     if module is not None:
         return module
     spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, name + ".py"))
+    assert spec is not None and spec.loader is not None  # a .py path always has its loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -127,7 +128,7 @@ def _capture_torch_distributed(dist) -> None:
 def _install() -> None:
     if getattr(sys, "_greyhound_capture_installed", False):
         return  # two copies of this file on sys.path: one is enough
-    sys._greyhound_capture_installed = True
+    sys._greyhound_capture_installed = True  # type: ignore[attr-defined]  # a flag every copy sees
     if not os.environ.get("GREYHOUND_RUN_DIR"):
         return
     _when_imported(_TORCH_DISTRIBUTED, _capture_torch_distributed)

@@ -111,6 +111,7 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
             _mark(client, run_dir, "stopped")
         from greyhound.control.redis_server import stop_redis
 
+        assert redis_proc is not None  # rank 0 started it: the address is not None
         stop_redis(redis_proc)
     return 0
 

@@ -57,11 +57,12 @@ def pause_steps(clocks: list[RankClock], *, lead_s: float) -> dict[int, int] | N
     """For each rank, the index of its iteration to cut at, by step count: the first
     step every rank can still reach after ``lead_s`` (None: some rank has no step count,
     then :func:`pause_iterations` places the cut by time)."""
-    if not clocks or any(c.cut_step is None for c in clocks):
+    cut_steps = [c.cut_step for c in clocks if c.cut_step is not None]
+    if not clocks or len(cut_steps) < len(clocks):
         return None
     slowest = max(c.iteration_s for c in clocks)
-    step = max(c.cut_step for c in clocks) + 1 + math.ceil(lead_s / slowest)
-    return {c.rank: c.iteration + (step - c.cut_step) for c in clocks}
+    step = max(cut_steps) + 1 + math.ceil(lead_s / slowest)
+    return {c.rank: c.iteration + (step - cut) for c, cut in zip(clocks, cut_steps, strict=True)}
 
 
 def pause_iterations(clocks: list[RankClock], *, at_s: float) -> dict[int, int]:

@@ -26,7 +26,9 @@ from greyhound.inject.spec import DEFAULT_SEVERITY, SEVERITY_MAX, ComputeSpec, L
 
 
 def _env(ctx: click.Context) -> state.InjectEnv:
-    return ctx.find_object(state.InjectEnv)
+    env = ctx.find_object(state.InjectEnv)
+    assert env is not None  # the group's callback made it
+    return env
 
 
 def _truth_path(env: state.InjectEnv, truth: str | None) -> Path:

@@ -185,6 +185,7 @@ class ComputeInjection:
             targets.check_pid(self.spec.pid)
             self.pids = [self.spec.pid]
         else:
+            assert self.spec.rank is not None  # a pid, or a job and a rank (ComputeSpec)
             self.step, self.pids = targets.resolve_rank(job=str(self.spec.job), rank=self.spec.rank,
                                                         step=self.spec.step)
         prefix = f"/{self.env.cgroup_parent}/"
@@ -205,6 +206,7 @@ class ComputeInjection:
     def apply(self, record_state=lambda: None) -> None:
         """Create the cgroup with its quota and move the resolved pids into it."""
         record_state()  # before the change, so undo-all knows it even if we die now
+        assert self.cpus is not None  # resolve() measured it
         try:
             self.env.cgroup_base.mkdir(exist_ok=True)
             self.cgroup.mkdir()

@@ -18,8 +18,9 @@ import socket
 import threading
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from greyhound.errors import GreyhoundError, InputError
 from greyhound.inject import compute, link, state, truth
@@ -181,7 +182,7 @@ class StopOnSignals:
     def __init__(self) -> None:
         self.stop = threading.Event()
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[..., Any] | int | signal.Handlers | None] = {}
 
     def _handler(self, signum, _frame) -> None:
         self.signum = self.signum or signum

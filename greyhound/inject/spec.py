@@ -113,7 +113,7 @@ class ComputeSpec:
             raise ValueError("give either a pid, or a job and a rank (not both, not neither)")
         if by_pid and self.step is not None:
             raise ValueError("step goes with job and rank, not with pid")
-        if by_pid and self.pid <= 0:
+        if self.pid is not None and self.pid <= 0:
             raise ValueError(f"pid {self.pid!r} is not a process id; allowed: > 0")
         if by_rank:
             if self.job is None or self.rank is None:
@@ -171,6 +171,7 @@ class LinkSpec:
                 raise ValueError("netns goes with dev; a node's namespaces are known (gh-nX)")
             node_links(self.node)
         else:
+            assert self.dev is not None  # either a node or a dev (checked above)
             if not _IFNAME.match(self.dev):
                 raise ValueError(f"dev {self.dev!r} is not an interface name (1-15 characters)")
             if self.netns is not None and not _NETNS.match(self.netns):
@@ -197,6 +198,7 @@ class LinkSpec:
         """(netns or None, dev) of every interface whose egress is throttled."""
         if self.node is not None:
             return node_links(self.node)
+        assert self.dev is not None  # either a node or a dev (__post_init__)
         return ((self.netns, self.dev),)
 
     @property
@@ -206,7 +208,10 @@ class LinkSpec:
 
     @property
     def label(self) -> str:
-        return self.node if self.node is not None else self.dev
+        if self.node is not None:
+            return self.node
+        assert self.dev is not None  # either a node or a dev (__post_init__)
+        return self.dev
 
 
 Spec = ComputeSpec | LinkSpec

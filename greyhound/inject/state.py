@@ -72,7 +72,7 @@ def remove_active(env: InjectEnv, injection_id: str) -> None:
 
 def read_active(env: InjectEnv) -> list[dict]:
     """Every recorded active injection (unreadable records are logged and skipped)."""
-    out = []
+    out: list[dict] = []
     if not env.active_dir.is_dir():
         return out
     for path in sorted(env.active_dir.glob("*.json")):

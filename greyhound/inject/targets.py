@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
+from typing import TypeGuard
 
 from greyhound.errors import InputError, SlurmError
 from greyhound.slurm_client import connect
@@ -84,7 +85,7 @@ def parse_listpids(text: str) -> list[ListpidsRow]:
     return rows
 
 
-def _step_ok(step: str | None, wanted: str | None) -> bool:
+def _step_ok(step: str | None, wanted: str | None) -> TypeGuard[str]:
     if step is None or not step.isdigit():
         return False  # batch, extern, interactive: not a rank
     return wanted is None or step == wanted
