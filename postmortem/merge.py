@@ -103,13 +103,15 @@ def _check_header(path: Path, header: dict) -> None:
     """InputError for a header field of the wrong type or outside greyhound's columns."""
     for key, lo, hi in (("rank", 0, _I32.max), ("dp_rank", 0, _I16.max), ("pp_rank", 0, _I16.max)):
         if not _is_int(header[key], lo, hi):
-            raise InputError(f"{path}: timeline header {key!r} must be an integer from {lo} to {hi}, got {header[key]!r}")
+            raise InputError(f"{path}: timeline header {key!r} must be an integer from {lo} to {hi}, "
+                             f"got {header[key]!r}")
     job = header["job"]
     if not isinstance(job, dict):
         raise InputError(f"{path}: timeline header 'job' must be an object, got {job!r}")
     for key in ("dp", "pp"):
         if not _is_int(job.get(key), 1, MAX_DEGREE):
-            raise InputError(f"{path}: timeline header job {key!r} must be an integer from 1 to {MAX_DEGREE}, got {job.get(key)!r}")
+            raise InputError(f"{path}: timeline header job {key!r} must be an integer from 1 to {MAX_DEGREE}, "
+                             f"got {job.get(key)!r}")
     if "tp" in job and not _is_int(job["tp"], 1, _I32.max):
         raise InputError(f"{path}: timeline header job 'tp' must be an integer >= 1, got {job['tp']!r}")
     split = job.get("microbatches_per_dp")
@@ -146,7 +148,8 @@ def _job_meta(headers: list[dict], *, split_by_step: dict[int, tuple[int, ...]],
     for h in headers[1:]:
         for key in ("dp", "pp", "tp", "schedule"):
             if h["job"].get(key) != job.get(key):
-                raise InputError(f"{where}: rank files disagree on job {key}: {h['job'].get(key)!r} vs {job.get(key)!r}")
+                raise InputError(f"{where}: rank files disagree on job {key}: "
+                                 f"{h['job'].get(key)!r} vs {job.get(key)!r}")
     dp, pp = int(job["dp"]), int(job["pp"])
     extra = dict(job.get("extra") or {})
     if split_by_step:

@@ -612,7 +612,7 @@ def _chain_preds(template: _Template) -> np.ndarray:
                     pending_async = []
                 prev_slot = slot
             i += 1
-    K = max(1, max(len(x) for x in preds))
+    K = max(1, max(len(x) for x in preds))  # noqa: PLW3301  (flattened, no preds would raise TypeError)
     pred = np.full((n_t, K), n_t, dtype=np.int64)
     for j, x in enumerate(preds):
         pred[j, : len(x)] = x
