@@ -1,6 +1,9 @@
-"""The job's control plane on the real local cluster: the reference job (DP=2 x PP=4 on
-4 nodes) under `sbatch --greyhound`, its control plane started by the plugin, what
-another user can reach of it, and the job going on when its master is killed mid-pause.
+"""Online detection on the real local cluster: the reference job (DP=2 x PP=4 on 4 nodes)
+under `sbatch --greyhound`, its control plane started by the plugin, real fail-slows
+injected with `greyhound inject` (a CPU quota on one rank, a narrowed link on one node)
+and the verdicts read back from the event log and `greyhound status --json`; what
+another user can reach of it; the job going on when its master is killed mid-pause.
+Healthy runs (no false alarm) are counted by scripts/bench_online.
 """
 
 from __future__ import annotations
@@ -58,6 +61,40 @@ def wait_tracking(job_id: str, iterations: int = 15, timeout_s: float = 240) -> 
 
 def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_times(out: Path) -> list[tuple[float, float]]:
+    """(end time, step time) of each step."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["time"], r["step_time"]) for r in rows]
+
+
+def test_a_compute_fail_slow_is_detected_validated_named_and_its_end_seen(cluster, tmp_path):
+    out = tmp_path / "out"
+    job = submit(out, 170)
+    wait_tracking(job.job_id)
+    truth = tmp_path / "truth.jsonl"
+    subprocess.run([GREYHOUND, "inject", "compute", "--job", job.job_id, "--rank", "5", "--duration", "25",
+                    "--truth", str(truth)], check=True, capture_output=True, timeout=120)   # holds it 25 s
+    assert job.wait(600) == "COMPLETED", job.text()
+    record = json.loads(truth.read_text().splitlines()[-1])
+    events = read_events(RUN_DIR_BASE / job.job_id)
+    by_kind: dict = {}
+    for e in events:                     # the first of each: the injected episode
+        by_kind.setdefault(e["kind"], e)
+    assert "detected" in by_kind and "verdict" in by_kind, events
+    verdict = by_kind["verdict"]["verdict"]
+    assert (verdict["kind"], verdict["ranks"], verdict["nodes"]) == ("compute", [5], ["n3"]), verdict
+    assert verdict["validated"] is True, verdict
+    # GEMMs of a few ranks sized to 0.2 s (the throttled one slower), P2P of 1 MiB: seconds.
+    assert 0 < by_kind["paused"]["seconds"] < 30, by_kind["paused"]
+    # Steps the job finished between the onset and the detection (scripts/bench_online
+    # measured 4 to 5 on this machine; the issue's target, 3, is measured there).
+    finished = sum(record["start"] < end <= by_kind["detected"]["time"] for end, _ in step_times(out))
+    assert 1 <= finished <= 8, finished
+    assert "recovered" in by_kind and by_kind["recovered"]["time"] > record["end"], events
+    shown = status(job.job_id)
+    assert shown["control_plane"] == "stopped", shown
 
 
 def test_another_user_can_neither_read_the_password_nor_use_the_jobs_redis(cluster, tmp_path):
