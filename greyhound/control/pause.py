@@ -10,7 +10,7 @@ the master's request, broadcast from rank 0):
    then everything resumes and the round says the pause failed);
 3. GEMMs run one rank at a time in the parked ranks' own processes: a probe on the
    reference ranks sizes the test to about 0.2 s, then suspects and references run it
-   (twice each, the faster counts);
+   (twice each, the faster counts, unless the first run was already 4x the fastest);
 4. P2P tests run along the job's links, pass by pass (twice when a link looks slow);
 5. every rank resumes; rank 0 returns the measurements and judgements.
 
@@ -35,6 +35,7 @@ PARK_TIMEOUT_MIN_S = 10.0
 BENCH_TIMEOUT_S = 10.0
 PROBES = 3
 GEMM_ROUNDS = 2
+CLEARLY_SLOW = 4.0
 
 
 def _local(agent) -> dict[int, _Process]:
@@ -152,13 +153,18 @@ def _gemm(comm, local: dict, request: dict) -> dict:
               if p]
     n = bench_n_for(min(probes)) if probes else BENCH_PROBE_N
     # Each rank's fastest of GEMM_ROUNDS runs, the rounds interleaved: a throttled rank
-    # is slow every time, a burst of other work on a shared node slows one run.
+    # is slow every time, a burst of other work on a shared node slows one run. A run
+    # CLEARLY_SLOW times the fastest is not repeated: no burst explains it, and a
+    # throttled rank's second run would only lengthen the pause by seconds.
     times: dict[int, float] = {}
+    ranks = [*suspects, *refs]
     for _ in range(GEMM_ROUNDS):
-        for r in [*suspects, *refs]:
+        for r in ranks:
             t = _bench_on(comm, local, r, n)
             if t is not None:
                 times[r] = min(t, times.get(r, t))
+        fastest = min(times.values(), default=0.0)
+        ranks = [r for r in ranks if r not in times or times[r] < CLEARLY_SLOW * fastest]
     return {"n": n, "times_s": times}
 
 
