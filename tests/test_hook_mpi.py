@@ -60,8 +60,9 @@ def test_calls_counter_numbers_every_call_record(two_ranks, rank):
     run_dir, _, _ = two_ranks
     with RingReader(run_dir / f"ring.{rank}", publish=False) as ring:
         recs = ring.read().records
-        assert ring.calls == len(call_records(recs)) > 0
-    assert np.count_nonzero(recs["op"] == OP["Wait"]) > 0      # not numbered
+        calls = [op for op, *_ in EXPECTED if op != "Wait"]
+        assert ring.calls == len(call_records(recs)) == len(calls) == 13
+    assert np.count_nonzero(recs["op"] == OP["Wait"]) == 2      # not numbered
 
 
 # (op, bytes for 2 ranks, peer for rank 0, peer for rank 1, comm) in program order
