@@ -142,3 +142,23 @@ def comment_of(job_id: str, timeout_s: float) -> tuple[str, float]:
             break
         time.sleep(0.5)
     return comment, time.monotonic() - t0
+
+
+CLUSTER_SCRIPT = str(REPO / "scripts/cluster")
+
+
+def cluster_shape() -> str:
+    return Path("/var/lib/greyhound-cluster/shape").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def netns_cluster(cluster):
+    """The cluster with a network namespace per node; the plain one again afterwards."""
+    switched = cluster_shape() != "4 netns=1"
+    if switched:
+        subprocess.run([CLUSTER_SCRIPT, "down"], check=True, capture_output=True, timeout=300)
+        subprocess.run([CLUSTER_SCRIPT, "up", "--netns"], check=True, capture_output=True, timeout=300)
+    yield
+    if switched:
+        subprocess.run([CLUSTER_SCRIPT, "down"], check=True, capture_output=True, timeout=300)
+        subprocess.run([CLUSTER_SCRIPT, "up", "--nodes", "4"], check=True, capture_output=True, timeout=300)

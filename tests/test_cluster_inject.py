@@ -19,25 +19,7 @@ from conftest import REPO, SlurmJob
 
 pytestmark = pytest.mark.cluster
 
-CLUSTER = str(REPO / "scripts/cluster")
 GREYHOUND = str(REPO / ".venv/bin/greyhound")
-
-
-def cluster_shape() -> str:
-    return Path("/var/lib/greyhound-cluster/shape").read_text().strip()
-
-
-@pytest.fixture(scope="module")
-def netns_cluster(cluster):
-    """The cluster with a network namespace per node; the plain one again afterwards."""
-    switched = cluster_shape() != "4 netns=1"
-    if switched:
-        subprocess.run([CLUSTER, "down"], check=True, capture_output=True, timeout=300)
-        subprocess.run([CLUSTER, "up", "--netns"], check=True, capture_output=True, timeout=300)
-    yield
-    if switched:
-        subprocess.run([CLUSTER, "down"], check=True, capture_output=True, timeout=300)
-        subprocess.run([CLUSTER, "up", "--nodes", "4"], check=True, capture_output=True, timeout=300)
 
 
 def start_training(out: Path, *extra: str) -> str:

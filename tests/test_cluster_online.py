@@ -164,7 +164,7 @@ def test_killing_the_master_while_the_job_is_paused_changes_nothing_in_the_job(c
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6
 
 
-def test_a_narrowed_link_on_one_node_is_named_as_a_link_fail_slow_on_that_node(cluster, tmp_path):
+def test_a_narrowed_link_on_one_node_is_named_as_a_link_fail_slow_on_that_node(netns_cluster, tmp_path):
     # tc tbf on n3's veth and eth0 (the netns cluster): every path in or out of n3 runs
     # at 20 Mbit/s. Profiling points at n3's groups; the P2P tests find n3's links slow.
     job = submit(tmp_path / "out", 150)

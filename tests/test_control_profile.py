@@ -82,3 +82,13 @@ def test_without_enough_history_the_ranks_are_compared_with_their_peers():
     rise = {5: 1.0, 6: 1.0, 7: 3.0}
     suspects = find_suspects(dp_groups({}), rank_nodes=NODES, compute_share=share, compute_rise=rise)
     assert [(s.kind, s.ranks) for s in suspects] == [("compute", (5,))]
+
+
+def test_a_slow_group_within_one_node_is_not_a_link_suspect():
+    # DP groups of two ranks on one node each (0-1 on n1, ..., 6-7 on n4): the n3 group
+    # is 1.5x the others, but no network link carries it.
+    stats = {r: {f"dp{r // 2}": _ar(0.15 if r // 2 == 2 else 0.10)} for r in NODES}
+    assert find_suspects(stats, rank_nodes=NODES, compute_share=SHARE) == []
+    # The same groups across nodes (r, r + 4): the slow one is a link suspect.
+    assert [s.kind for s in find_suspects(dp_groups({2: 0.15, 6: 0.15}), rank_nodes=NODES,
+                                          compute_share=SHARE)] == ["link"]

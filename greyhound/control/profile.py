@@ -8,7 +8,8 @@ Two signals, both read from calls the job makes anyway (nothing is paused):
   members: the member that arrives last waits for nobody, so its time inside the call
   is the transfer itself; the others' include waiting. A communicator more than
   ``LINK_TOLERANCE`` above its cluster's median transfer time is suspect, and so are
-  the nodes its members run on.
+  the nodes its members run on; a group within one node crosses no network link and
+  is never a link suspect.
 - **Compute straggler.** A rank's own work is the time it spends outside communication
   calls (the agent measures it from the rings: calls and waits are timed, the rest is
   the rank's work). Per iteration, it stays what it was on every rank but a slow one:
@@ -152,8 +153,10 @@ def _slow_groups(members: dict[str, dict[int, dict]], rank_nodes: dict[int, str]
         median = float(np.median([groups[j][3] for j in cluster]))
         for j in cluster:
             c, _, _, t, group_ranks = groups[j]
-            if median > 0 and t > (1 + LINK_TOLERANCE) * median:
-                nodes = tuple(sorted({rank_nodes.get(r, "?") for r in group_ranks}))
+            nodes = tuple(sorted({rank_nodes.get(r, "?") for r in group_ranks}))
+            # A group within one node crosses no network link (its slowness is its
+            # members' or the node's): still a yardstick for the others, never a suspect.
+            if median > 0 and t > (1 + LINK_TOLERANCE) * median and len(nodes) > 1:
                 suspects.append(Suspect(kind="link", ranks=group_ranks, nodes=nodes, comm=c, score=t / median,
                                         why=f"{op} on comm {c} takes {t / median:.2f}x the median of "
                                             f"{len(cluster)} groups moving {nbytes:.0f} bytes per iteration"))
