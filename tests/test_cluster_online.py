@@ -93,7 +93,10 @@ def test_a_compute_fail_slow_is_detected_validated_named_and_its_end_seen(cluste
     finished = sum(record["start"] < end <= by_kind["detected"]["time"] for end, _ in step_times(out))
     assert 1 <= finished <= 8, finished
     assert "recovered" in by_kind and by_kind["recovered"]["time"] > record["end"], events
-    shown = status(job.job_id)
+    # The master writes its last event as Slurm ends the step, just after the job's end.
+    deadline = time.monotonic() + 20
+    while (shown := status(job.job_id))["control_plane"] != "stopped" and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert shown["control_plane"] == "stopped", shown
 
 
