@@ -83,3 +83,25 @@ def test_another_user_cannot_read_the_secret(job_redis):
 def test_a_run_dir_without_a_control_plane_is_a_clear_error(tmp_path):
     with pytest.raises(RedisError, match="has no control plane"):
         read_address(tmp_path)
+
+
+def test_the_server_goes_with_a_master_killed_without_clean_up(tmp_path):
+    # The master (here a child Python) starts the job's Redis and is then SIGKILLed:
+    # nothing stops Redis but the parent-death signal it was started with.
+    import sys
+    import time
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    master = ("import os, signal, sys\n"
+              "from greyhound.control.redis_server import start_redis\n"
+              "proc, _ = start_redis(sys.argv[1], host='127.0.0.1')\n"
+              "print(proc.pid, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    out = subprocess.run([sys.executable, "-c", master, str(run_dir)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == -9, out.stderr
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}"), "redis-server outlived its killed master"

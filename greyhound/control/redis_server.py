@@ -105,7 +105,13 @@ def start_redis(run_dir: str | os.PathLike, *, host: str, timeout_s: float = 10.
                      mode=0o600)
     finally:
         os.umask(old_umask)
-    proc = subprocess.Popen([binary, str(run_dir / CONF_FILE)], stdin=subprocess.DEVNULL,
+    command = [binary, str(run_dir / CONF_FILE)]
+    setpriv = shutil.which("setpriv")
+    if setpriv:
+        # The server goes with its master even when the master is killed (SIGKILL: no
+        # clean-up), on clusters whose Slurm does not track a step's processes by cgroup.
+        command = [setpriv, "--pdeathsig", "TERM", "--", *command]
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
     address = RedisAddress(host=host, port=port, password=password)
     deadline = time.monotonic() + timeout_s
