@@ -49,6 +49,10 @@ CALL_OPS = frozenset(OP[n] for n in (
     "AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce", "Send", "Recv",
     "SendRecv", "Barrier",
 ))
+# Communication calls every member of a communicator makes together.
+COLLECTIVE_OPS = frozenset(OP[n] for n in (
+    "AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce", "Barrier",
+))
 
 SOURCE_NAMES = {1: "mpi", 2: "nccl", 3: "torch", 4: "hook"}
 

@@ -33,7 +33,7 @@ import numpy as np
 from greyhound.analytics.tracker import RankTracker
 from greyhound.control import store
 from greyhound.control.validate import RankClock
-from greyhound.ring import CALL_OPS, OP, OP_NAMES, RingError, RingReader, op_mask, ring_paths
+from greyhound.ring import CALL_OPS, COLLECTIVE_OPS, OP, OP_NAMES, RingError, RingReader, op_mask, ring_paths
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,7 @@ HISTORY_POLLS = 70
 poll; a slowdown found within seconds of its onset leaves it clean)."""
 MIN_ITERATIONS = 3
 _IS_BLOCKING = op_mask(CALL_OPS | {OP["Wait"]})
-_IS_COLLECTIVE = op_mask(OP[n] for n in ("AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce",
-                                         "Barrier"))
+_IS_COLLECTIVE = op_mask(COLLECTIVE_OPS)
 
 
 def blocked_seconds(records: np.ndarray) -> float:

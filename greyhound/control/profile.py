@@ -31,6 +31,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from greyhound.ring import COLLECTIVE_OPS, OP_NAMES
+
 LINK_TOLERANCE = 0.10
 """A group more than 10% above its cluster's median transfer time is suspect (the paper's rule)."""
 WAIT_FRACTION = 0.05
@@ -38,7 +40,8 @@ WAIT_FRACTION = 0.05
 COMPUTE_TOLERANCE = 0.10
 """A rank computing more than 10% longer than its peers is suspect."""
 SAME_BYTES_RTOL = 0.01
-COLLECTIVE_OPS = ("AllReduce", "ReduceScatter", "AllGather", "Broadcast", "Reduce", "Barrier")
+COLLECTIVE_NAMES = frozenset(OP_NAMES[op] for op in COLLECTIVE_OPS)
+"""The op names of collectives, as the agents publish a communicator's op."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,7 +115,7 @@ def _busier_than_peers(members: dict[str, dict[int, dict]], compute_share: dict[
     """Ranks computing a larger share of their time than the members of their collectives."""
     suspects: list[Suspect] = []
     peer_groups = [sorted(ranks) for ranks in members.values()
-                   if len(ranks) >= 2 and next(iter(ranks.values())).get("op") in COLLECTIVE_OPS]
+                   if len(ranks) >= 2 and next(iter(ranks.values())).get("op") in COLLECTIVE_NAMES]
     if not peer_groups:             # no collective to compare within: every rank with every other
         peer_groups = [sorted(compute_share)]
     excess: dict[int, float] = {}
