@@ -33,13 +33,11 @@ def _cluster_reason() -> str | None:
 
 
 def require(missing: str | None) -> None:
-    """Skips the calling test when ``missing`` says what it lacks; under CI (CI=true,
-    where .ci/run has set everything up) the missing piece is a failure, not a skip."""
-    if missing is None:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI: {missing}", pytrace=False)
-    pytest.skip(missing)
+    """Skips the calling test when ``missing`` says what it lacks (under CI, where
+    .ci/run has set everything up, :func:`pytest_runtest_makereport` makes the skip a
+    failure)."""
+    if missing is not None:
+        pytest.skip(missing)
 
 
 HARDWARE_SKIPS = re.compile(r"GPU|CUDA|NCCL|AVX-512")
@@ -65,7 +63,7 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(scope="session")
 def cluster() -> None:
     """Skips a test unless the local Slurm cluster (scripts/cluster up) answers; under CI
-    a missing cluster is a failure (see :func:`require`). Nodes still completing or
+    a missing cluster is a failure (see :func:`pytest_runtest_makereport`). Nodes still completing or
     planned for another job are waited for, not skipped."""
     deadline = time.monotonic() + 90
     while (reason := _cluster_reason()) and "no usable node" in reason and time.monotonic() < deadline:
