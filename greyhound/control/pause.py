@@ -35,6 +35,7 @@ PARK_TIMEOUT_MIN_S = 10.0
 BENCH_TIMEOUT_S = 10.0
 PROBES = 3
 GEMM_ROUNDS = 2
+P2P_ROUNDS = 2
 CLEARLY_SLOW = 4.0
 
 
@@ -120,11 +121,11 @@ def link_bandwidth(comm, node: str, passes: list, *, nodes: list[str],
     once more and each keeps its better figure: a fail-slow link is slow both times,
     while a burst of other work on a shared node (or loopback) slows one round."""
     bandwidth: dict[str, float] = {}
-    for round_ in range(2):
+    for _ in range(P2P_ROUNDS):
         for part in comm.allgather(measure(comm, node, passes, nodes=nodes)):
             for link, bw in part.items():
                 bandwidth[link] = max(bw, bandwidth.get(link, 0.0))
-        if round_ == 0 and not comm.bcast(bool(p2p.slow_links(bandwidth)) if comm.rank == 0 else None, root=0):
+        if not p2p.slow_links(bandwidth):   # the same figures on every rank: the same answer
             break
     return bandwidth
 
