@@ -43,6 +43,7 @@ _SUBCOMMANDS: list[tuple[str, str]] = [
     ("greyhound.report_cli", "report"),
     ("greyhound.status_cli", "status"),
     ("greyhound.inject.cli", "inject"),
+    ("greyhound.mitigate.cli", "plan"),
 ]
 
 
