@@ -124,7 +124,7 @@ def split_microbatches(
     units = _optimal_units(t, num_units, per_unit, lo)
     allocation = units * per_unit
     return Allocation(
-        allocation=tuple(int(m) for m in allocation),
+        allocation=tuple(allocation.tolist()),
         makespan=makespan(allocation, t),
         solve_seconds=time.perf_counter() - start,
     )
@@ -240,7 +240,7 @@ def _optimal_units(t: np.ndarray, num_units: int, per_unit: int, lo: int) -> np.
     # 3. Greedy for the rest: the unit that ends first goes next.
     counts = units.tolist()
     times = t.tolist()
-    heap = [(float((c + 1) * per_unit) * s, i) for i, (c, s) in enumerate(zip(counts, times))]
+    heap = list(zip(_finish(units + 1, t, per_unit).tolist(), range(n)))
     heapq.heapify(heap)
     for _ in range(num_units - int(units.sum())):
         i = heap[0][1]
