@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from hybrid.config import DataConfig, ModelConfig, TrainConfig, parse_split, resolve_split  # noqa: E402
+from hybrid.config import (DataConfig, ModelConfig, TrainConfig, first_microbatch, parse_split,  # noqa: E402
+                           resolve_split)
 from hybrid.data import IGNORE_INDEX, SyntheticData  # noqa: E402
 from hybrid.grads import MainGrads  # noqa: E402
 from hybrid.launch import LaunchError, detect  # noqa: E402
@@ -42,7 +43,7 @@ def test_resolve_split():
 def test_train_config_checks():
     cfg = TrainConfig(dp=2, pp=4, microbatch_split=(4, 12))
     assert cfg.num_microbatches == 16
-    assert [cfg.first_microbatch(d) for d in range(2)] == [0, 4]
+    assert [first_microbatch(cfg.microbatch_split, d) for d in range(2)] == [0, 4]
     with pytest.raises(ValueError, match="need --checkpoint"):
         TrainConfig(dp=1, pp=1, microbatch_split=(2,), resume=True)
     with pytest.raises(ValueError, match="--crash-at-step must be in 0..4"):

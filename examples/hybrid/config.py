@@ -177,7 +177,9 @@ class TrainConfig:
         """Micro-batches per step over all replicas (the global batch)."""
         return sum(self.microbatch_split)
 
-    def first_microbatch(self, dp_rank: int) -> int:
-        """Global index of replica ``dp_rank``'s first micro-batch: replicas take
-        consecutive runs of the global batch, so any split consumes the same samples."""
-        return sum(self.microbatch_split[:dp_rank])
+
+def first_microbatch(split: tuple[int, ...], dp_rank: int) -> int:
+    """Global index of replica ``dp_rank``'s first micro-batch under ``split``: replicas
+    take consecutive runs of the global batch, so any split consumes the same samples
+    (the job's own split, or a plan greyhound's mitigation moved micro-batches by)."""
+    return sum(split[:dp_rank])

@@ -14,8 +14,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from greyhound.mitigate.training import Mitigation
+
 from hybrid import checkpoint
-from hybrid.config import DataConfig, ModelConfig, TrainConfig, UsageError
+from hybrid.config import DataConfig, ModelConfig, TrainConfig, UsageError, first_microbatch
 from hybrid.data import SyntheticData
 from hybrid.grads import MainGrads
 from hybrid.launch import ProcessEnv
@@ -169,15 +171,17 @@ def _recorder(cfg: TrainConfig, model_cfg: ModelConfig, data_cfg: DataConfig, pe
     )
 
 
-def _train_step(cfg: TrainConfig, stage: _Stage, data: SyntheticData, step: int, recorder) -> int:
-    """One step of this stage: 1F1B over its replica's micro-batches, the DP gradient
-    all-reduce and the optimizer step. Returns the global batch's token count."""
-    m = cfg.microbatch_split[stage.dp_rank]
-    first_mb = cfg.first_microbatch(stage.dp_rank)
+def _train_step(stage: _Stage, data: SyntheticData, step: int, split: tuple[int, ...], recorder, *,
+                dp: int) -> int:
+    """One step of this stage: 1F1B over its replica's micro-batches (``split``: each
+    replica's count this step), the DP gradient all-reduce and the optimizer step.
+    Returns the global batch's token count."""
+    m = split[stage.dp_rank]
+    first_mb = first_microbatch(split, stage.dp_rank)
     tracing = recorder is not NO_RECORDER
     if tracing:
         recorder.start_step(step, num_microbatches=m)
-    total_tokens = data.tokens_in_step(step, cfg.num_microbatches)
+    total_tokens = data.tokens_in_step(step, sum(split))
     mbs = [data.microbatch(step, first_mb + i, with_tokens=stage.first or stage.last) for i in range(m)]
     if tracing and stage.first:
         for i, mb in enumerate(mbs):
@@ -185,7 +189,7 @@ def _train_step(cfg: TrainConfig, stage: _Stage, data: SyntheticData, step: int,
     grads = stage.grads
     grads.zero()
     run_1f1b(stage.ctx, mbs, grads=grads, loss_scale=1.0 / total_tokens, recorder=recorder)
-    if cfg.dp > 1:
+    if dp > 1:
         with recorder.span("grads-all-reduce"):
             grads.all_reduce(stage.dp_group)
     with recorder.span("optimizer"):
@@ -220,6 +224,10 @@ def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, devi
     data = SyntheticData(data_cfg, vocab_size=model_cfg.vocab_size, seed=cfg.seed)
     start_step = _resume(cfg, stage, device)
     recorder = _recorder(cfg, model_cfg, data_cfg, penv, stage, device)
+    # Under --greyhound=mitigate the master may move micro-batches between replicas
+    # (S2); inert otherwise.
+    mitigation = Mitigation.from_env(microbatch_split=cfg.microbatch_split, rank=rank,
+                                     replicas=[layout.pipeline(d) for d in range(cfg.dp)])
 
     metrics_rank = layout.rank_of(dp_rank=0, pp_rank=cfg.pp - 1)
     metrics_file = None
@@ -232,11 +240,12 @@ def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, devi
                 log.warning("--crash-at-step %d: killing rank 0", step)
                 os.kill(os.getpid(), signal.SIGKILL)
             t0 = time.perf_counter()
-            total_tokens = _train_step(cfg, stage, data, step, recorder)
+            split = mitigation.step(step).microbatch_split
+            total_tokens = _train_step(stage, data, step, split, recorder, dp=cfg.dp)
             step_time = time.perf_counter() - t0
             if rank == metrics_rank:
                 row = {"step": step, "loss": stage.grads.loss_sum / total_tokens, "step_time": step_time,
-                       "tokens": total_tokens, "time": time.time()}
+                       "tokens": total_tokens, "time": time.time(), "microbatch_split": list(split)}
                 rows.append(row)
                 log.info("step %d loss %.6f step_time %.3fs", step, row["loss"], step_time)
                 if metrics_file is not None:

@@ -1,0 +1,197 @@
+"""The master's side of mitigation: validated verdicts in, plans on the job's Redis out.
+
+S2 (micro-batch re-split), the first rung of the ladder that costs anything: a
+validated compute straggler slows its whole DP replica (a pipeline runs at its slowest
+stage's pace), so the replicas' seconds per micro-batch are their slowest members'
+measured slowness (the GEMM in the straggler's own process, against the other ranks')
+and the solver (microbatch.split_microbatches) moves micro-batches from the slow
+replica to the others, exactly. The training processes apply the plan at their next
+step boundary (training.py).
+
+Its cost is about one step (nothing pauses; the next step runs the new split), so the
+ladder's rule (escalate when the loss so far reaches the next level's cost) takes it
+at the first validated verdict; the event says so with its numbers.
+
+Stepping back: while the plan is in force the job's iteration time no longer shows the
+straggler (that is the point), so its end is read from the straggler itself: its work
+per micro-batch outside communication (the agents' ``compute_s`` over the micro-batches
+its replica now runs) against the same stage's ranks in the other replicas. When it is
+back within ``end_ratio`` of theirs for ``end_polls`` polls, the job's own split
+returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from greyhound.control.events import append_event
+from greyhound.mitigate.microbatch import makespan, split_microbatches
+from greyhound.mitigate.training import APPLIED_KEY, LAYOUT_KEY, PLAN_KEY
+
+log = logging.getLogger(__name__)
+
+WATCH_KEY = "mitigation:watch"
+"""The planner's view of the plan in force (JSON ``{"version", "ratios",
+"recovered_polls"}``: each straggler's work per micro-batch over its stage peers')."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PlannerConfig:
+    end_ratio: float = 1.25
+    """A straggler whose work per micro-batch is within this factor of its stage peers'
+    has recovered."""
+    end_polls: int = 4
+    """Consecutive polls it must stay so before the job's own split returns."""
+    settle_polls: int = 12
+    """Polls after a plan is applied before its effect is judged (the agents' recent
+    figures cover 10 polls)."""
+
+    def __post_init__(self) -> None:
+        if not self.end_ratio > 1:
+            raise ValueError(f"end_ratio={self.end_ratio} must be > 1")
+        if self.end_polls < 1 or self.settle_polls < 0:
+            raise ValueError("end_polls must be >= 1 and settle_polls >= 0")
+
+
+def replica_seconds(replicas: Sequence[Sequence[int]], slowness: dict[int, float]) -> np.ndarray:
+    """(dp,) relative seconds per micro-batch of each DP replica: its slowest member's
+    slowness (1.0 for a healthy rank)."""
+    return np.array([max((slowness.get(r, 1.0) for r in members), default=1.0) for members in replicas])
+
+
+def stage_peers(replicas: Sequence[Sequence[int]], rank: int) -> list[int]:
+    """The ranks that hold the same pipeline stage as ``rank`` in the other replicas."""
+    for members in replicas:
+        if rank in members:
+            stage = list(members).index(rank)
+            return [m[stage] for m in replicas if m is not members and stage < len(m)]
+    return []
+
+
+def per_microbatch_ratio(rank: int, replicas: Sequence[Sequence[int]], split: Sequence[int],
+                         compute_s: dict[int, float]) -> float | None:
+    """The rank's work per micro-batch over the median of its stage peers' (None when
+    a figure is missing)."""
+    replica_of = {r: i for i, members in enumerate(replicas) for r in members}
+    peers = [p for p in stage_peers(replicas, rank) if p in compute_s]
+    if rank not in compute_s or rank not in replica_of or not peers:
+        return None
+    mine = compute_s[rank] / split[replica_of[rank]]
+    theirs = float(np.median([compute_s[p] / split[replica_of[p]] for p in peers]))
+    return mine / theirs if theirs > 0 else None
+
+
+class Planner:
+    """Runs on the master; see the module docstring."""
+
+    def __init__(self, client, run_dir: str | Path, *, config: PlannerConfig | None = None) -> None:
+        self.client = client
+        self.run_dir = Path(run_dir)
+        self.config = config or PlannerConfig()
+        self.version = 0
+        self.stragglers: dict[int, float] = {}
+        """rank -> measured slowness, while a plan is in force."""
+        self._polls_applied = 0
+        self._recovered_polls = 0
+
+    def _layout(self) -> dict | None:
+        raw = self.client.get(LAYOUT_KEY)
+        return json.loads(raw) if raw else None
+
+    def _applied_version(self) -> int:
+        raw = self.client.get(APPLIED_KEY)
+        return int(json.loads(raw).get("version", 0)) if raw else 0
+
+    def on_verdict(self, verdict: dict, ranks: dict) -> None:
+        """A validated compute straggler (the verdict's lead or one beside it): S2."""
+        found = _compute_findings(verdict)
+        if not verdict.get("validated") or not found:
+            return
+        layout = self._layout()
+        if layout is None:
+            append_event(self.run_dir, "mitigation_skipped", level="S2",
+                         why="the training processes do not call greyhound.mitigate (no layout on the board)")
+            return
+        self.stragglers.update(found)
+        self._publish(layout, ranks, why=f"compute straggler(s) {_ranks_text(self.stragglers)}")
+
+    def poll(self, ranks: dict) -> None:
+        """Every poll while a plan is in force: has the straggler recovered?"""
+        if not self.stragglers or self._applied_version() != self.version:
+            return
+        self._polls_applied += 1
+        if self._polls_applied <= self.config.settle_polls:
+            return
+        layout = self._layout()
+        if layout is None:
+            return
+        split = json.loads(self.client.get(PLAN_KEY))["microbatch_split"]
+        compute = {int(r): float(s["compute_s"]) for r, s in ranks.items() if s.get("compute_s") not in (None, "")}
+        ratios = {r: per_microbatch_ratio(r, layout["replicas"], split, compute) for r in self.stragglers}
+        self.client.set(WATCH_KEY, json.dumps({"version": self.version, "ratios": ratios,
+                                               "recovered_polls": self._recovered_polls}))
+        if all(x is not None and x < self.config.end_ratio for x in ratios.values()):
+            self._recovered_polls += 1
+        else:
+            self._recovered_polls = 0
+        if self._recovered_polls >= self.config.end_polls:
+            self.version += 1
+            self._write_plan(layout["microbatch_split"], level="S1", why="the straggler(s) recovered")
+            append_event(self.run_dir, "mitigation_ended", level="S2", version=self.version,
+                         microbatch_split=layout["microbatch_split"],
+                         ratios={str(r): round(x or 0.0, 3) for r, x in ratios.items()})
+            self.stragglers.clear()
+
+    def _publish(self, layout: dict, ranks: dict, *, why: str) -> None:
+        default = list(layout["microbatch_split"])
+        times = replica_seconds(layout["replicas"], self.stragglers)
+        plan = split_microbatches(times, total=sum(default))
+        self.version += 1
+        self._polls_applied = self._recovered_polls = 0
+        self._write_plan(list(plan.allocation), level="S2", why=why)
+        loss_s, step_s = slow_loss(ranks)
+        append_event(self.run_dir, "mitigation", level="S2", version=self.version, why=why,
+                     microbatch_split=list(plan.allocation), previous=default,
+                     expected_speedup=round(makespan(default, times) / plan.makespan, 3),
+                     loss_s=loss_s, cost_s=step_s, solve_seconds=round(plan.solve_seconds, 6))
+
+    def _write_plan(self, split: list[int], *, level: str, why: str) -> None:
+        self.client.set(PLAN_KEY, json.dumps({"version": self.version, "microbatch_split": split,
+                                              "level": level, "why": why}))
+
+
+def slow_loss(ranks: dict) -> tuple[float | None, float | None]:
+    """(seconds lost so far to the slowdown: slow iterations x (slow - healthy) time,
+    one healthy step's seconds: S2's cost), medians over the ranks that report them."""
+    losses, steps = [], []
+    for s in ranks.values():
+        try:
+            base = float(s["baseline_s"])
+            steps.append(base)
+            if s.get("slow_since") not in (None, ""):
+                losses.append((int(s["iterations"]) - int(s["slow_since"])) * (float(s["current_s"]) - base))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return (round(float(np.median(losses)), 3) if losses else None,
+            round(float(np.median(steps)), 3) if steps else None)
+
+
+def _compute_findings(verdict: dict) -> dict[int, float]:
+    """rank -> slowness of each compute finding of a verdict (validated: its GEMM was
+    slow; how slow its training work is, is profiling's figure)."""
+    out = {}
+    for finding in [verdict, *verdict.get("also", [])]:
+        slowness = finding.get("slowness")
+        if finding.get("kind") == "compute" and len(finding.get("ranks", [])) == 1 and slowness and slowness > 1:
+            out[int(finding["ranks"][0])] = float(slowness)
+    return out
+
+
+def _ranks_text(stragglers: dict[int, float]) -> str:
+    return ", ".join(f"rank {r} at {s:.2f}x" for r, s in sorted(stragglers.items()))

@@ -1,0 +1,162 @@
+"""The training side of mitigation: what a training loop calls once per step.
+
+    from greyhound.mitigate.training import Mitigation
+
+    mitigation = Mitigation.from_env(microbatch_split=(8, 8), replicas=[[0, 1, 2, 3], [4, 5, 6, 7]],
+                                     rank=dist.get_rank())
+    for step in range(start, steps):
+        plan = mitigation.step(step)          # at the step boundary, on every rank
+        split = plan.microbatch_split         # this step's micro-batches per DP replica
+        ...                                   # replica i takes its consecutive run of the
+                                              # global batch: first = sum(split[:i])
+
+It is inert (no collective, no I/O, the job's own split every step) unless the job
+runs under ``--greyhound=mitigate`` (the plugin sets GREYHOUND_MODE and
+GREYHOUND_RUN_DIR). Active, each call is one small broadcast from rank 0 on the
+default process group: rank 0 reads the plan the master published in the job's Redis
+and every rank applies the same plan from the same step on. So no rank can start a
+step with a split the others do not use, however late each one reads the board.
+
+What is learned does not change: a plan only moves micro-batches between replicas
+(the global batch, its samples and their order stay the same), and the loop weights
+gradients by tokens of the whole global batch, as it does for any split.
+
+Fail open: whatever goes wrong on rank 0 (no Redis yet, a malformed plan, a lost
+connection) keeps the plan in force and is logged once; the broadcast still happens,
+so no rank waits for another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+PLAN_KEY = "plan"
+"""The master's plan (JSON ``{"version", "microbatch_split", "level", "why"}``)."""
+LAYOUT_KEY = "training:layout"
+"""Rank 0's description of the job (JSON ``{"microbatch_split", "replicas"}``)."""
+APPLIED_KEY = "training:applied"
+"""Rank 0's last applied plan (JSON ``{"version", "step", "microbatch_split"}``)."""
+ADDRESS_RETRY_STEPS = 10
+"""Steps between tries to find the job's Redis (the control plane comes up alongside
+the first steps)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """The plan in force for a step."""
+
+    version: int
+    """0: the job's own split; the master counts its plans from 1."""
+    microbatch_split: tuple[int, ...]
+    """Micro-batches of each DP replica this step; sums to the global batch."""
+
+
+class Mitigation:
+    """One per training process; see the module docstring."""
+
+    def __init__(self, *, microbatch_split: Sequence[int], replicas: Sequence[Sequence[int]], rank: int,
+                 active: bool, run_dir: str | os.PathLike | None = None) -> None:
+        split = tuple(int(m) for m in microbatch_split)
+        if len(split) != len(replicas) or min(split, default=0) < 1:
+            raise ValueError(f"microbatch_split {split} needs one entry >= 1 per replica ({len(replicas)})")
+        self.default = Plan(version=0, microbatch_split=split)
+        self.replicas = [list(map(int, r)) for r in replicas]
+        self.rank = rank
+        self.active = active
+        self.run_dir = run_dir
+        self.plan = self.default
+        self._client = None
+        self._next_try = 0
+        self._warned: set[str] = set()
+
+    @classmethod
+    def from_env(cls, *, microbatch_split: Sequence[int], replicas: Sequence[Sequence[int]],
+                 rank: int) -> Mitigation:
+        """Active under ``--greyhound=mitigate``, inert otherwise (the same on every rank:
+        the job's environment decides)."""
+        run_dir = os.environ.get("GREYHOUND_RUN_DIR")
+        active = os.environ.get("GREYHOUND_MODE") == "mitigate" and bool(run_dir) and len(replicas) > 1
+        return cls(microbatch_split=microbatch_split, replicas=replicas, rank=rank, active=active,
+                   run_dir=run_dir)
+
+    def step(self, step: int) -> Plan:
+        """The plan for ``step``: collective on the default process group when active."""
+        if not self.active:
+            return self.default
+        import torch
+        import torch.distributed as dist
+
+        wanted = self._read_board(step) if self.rank == 0 else self.plan
+        buf = torch.tensor([wanted.version, *wanted.microbatch_split], dtype=torch.int64)
+        dist.broadcast(buf, src=0)
+        version, *split = buf.tolist()
+        if version != self.plan.version:
+            self.plan = Plan(version=version, microbatch_split=tuple(split))
+            if self.rank == 0:
+                log.warning("greyhound: plan %d from step %d: micro-batches per DP replica %s",
+                            version, step, ",".join(map(str, split)))
+                self._tell(APPLIED_KEY, {"version": version, "step": step, "microbatch_split": split})
+        return self.plan
+
+    # ---- rank 0: the job's Redis --------------------------------------------------
+
+    def _read_board(self, step: int) -> Plan:
+        """The master's plan if it is valid for this job; the plan in force otherwise."""
+        try:
+            client = self._connect(step)
+            if client is None:
+                return self.plan
+            raw = client.get(PLAN_KEY)
+            if raw is None:
+                return self.plan
+            return self._check(json.loads(raw))
+        except Exception as exc:  # noqa: BLE001  (fail open: the job keeps its plan)
+            self._warn_once(type(exc).__name__, f"greyhound: mitigation: cannot read the plan ({exc}); "
+                                                "keeping the plan in force")
+            self._client = None
+            self._next_try = step + ADDRESS_RETRY_STEPS
+            return self.plan
+
+    def _connect(self, step: int):
+        if self._client is not None or step < self._next_try:
+            return self._client
+        from greyhound.control.redis_server import RedisError, read_address
+
+        try:
+            self._client = read_address(self.run_dir or "").client()
+        except RedisError:
+            self._next_try = step + ADDRESS_RETRY_STEPS
+            return None
+        self._tell(LAYOUT_KEY, {"microbatch_split": list(self.default.microbatch_split),
+                                "replicas": self.replicas})
+        return self._client
+
+    def _check(self, plan: dict) -> Plan:
+        version = plan.get("version")
+        split = plan.get("microbatch_split")
+        total = sum(self.default.microbatch_split)
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"plan version {version!r} is not an integer >= 0")
+        if (not isinstance(split, list) or len(split) != len(self.replicas)
+                or not all(isinstance(m, int) and m >= 1 for m in split) or sum(split) != total):
+            raise ValueError(f"plan {version}: microbatch_split {split!r} is not {len(self.replicas)} "
+                             f"integers >= 1 summing to {total}")
+        return Plan(version=version, microbatch_split=tuple(split))
+
+    def _tell(self, key: str, value: dict) -> None:
+        try:
+            if self._client is not None:
+                self._client.set(key, json.dumps(value))
+        except Exception as exc:  # noqa: BLE001  (the board is best effort)
+            self._warn_once("tell", f"greyhound: mitigation: cannot write {key} ({exc})")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("%s", message)
