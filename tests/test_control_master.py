@@ -53,8 +53,17 @@ def test_healthy_job_stays_tracking_with_no_event(job):
 def test_a_slow_job_is_profiled_and_the_late_rank_named(job):
     run_dir, client = job
     verdicts = []
+
+    class Planner:
+        def on_verdict(self, verdict, ranks):
+            verdicts.append(verdict)
+            assert sorted(ranks) == list(range(8))
+
+        def poll(self, ranks):
+            pass
+
     master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_polls=2), validate=False,
-                    on_verdict=verdicts.append)
+                    planner=Planner())
     publish(client, slow_ranks=range(8), late_rank=5)
     master.step()
     assert master.state == "profiling"
@@ -156,3 +165,24 @@ def test_a_confirmed_link_suspect_is_narrowed_to_the_node_its_slow_links_share()
     results = [{"key": "link:n2,n3", "nodes": ["n2", "n3"], "slow_links": apart, "confirmed": True}]
     verdict = _verdict([group], results, _Episode(onset=30, slowdown=1.3, detected_s=0.0), {"slow_links": apart})
     assert (verdict["where"], verdict["nodes"]) == ("n2,n3", ["n2", "n3"])
+
+
+def test_a_link_at_one_percent_outranks_a_gemm_it_slowed():
+    # Seen on the netns cluster: n3's link narrowed to 20 Mbit/s, and the GEMM of a rank
+    # whose transfers over it were held at the pause came out 1.87x the references'.
+    from greyhound.control.master import _Episode, _verdict
+    from greyhound.control.profile import Suspect
+
+    rank3 = Suspect(kind="compute", ranks=(3,), nodes=("n2",), comm=None, score=1.7, why="work rose")
+    slow = [{"link": "n2-n3", "node": "n3", "ratio": 0.012, "bandwidth_Bps": 2.4e6},
+            {"link": "n3-n4", "node": "n3", "ratio": 0.012, "bandwidth_Bps": 2.5e6}]
+    results = [{"key": "compute:3", "rank": 3, "ratio": 1.87, "confirmed": True}]
+    verdict = _verdict([rank3], results, _Episode(onset=53, slowdown=2.7, detected_s=0.0), {"slow_links": slow})
+    assert (verdict["kind"], verdict["where"], verdict["nodes"]) == ("link", "n3", ["n3"])
+    assert verdict["also"] == [{"kind": "compute", "where": "rank 3 on n2", "ranks": [3], "nodes": ["n2"],
+                                "strength": 1.87, "slowness": 1.7}]
+    # A throttled rank 3x slower beside a link at 50%: the rank leads.
+    mild = [dict(slow[0], ratio=0.5)]
+    results = [{"key": "compute:3", "rank": 3, "ratio": 3.0, "confirmed": True}]
+    verdict = _verdict([rank3], results, _Episode(onset=53, slowdown=2.7, detected_s=0.0), {"slow_links": mild})
+    assert (verdict["kind"], verdict["ranks"], verdict["also"][0]["kind"]) == ("compute", [3], "link")

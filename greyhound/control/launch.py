@@ -52,7 +52,12 @@ def main() -> int:
         print(f"greyhound: control plane not started: cannot open {log_path}: {exc.strerror}", file=sys.stderr)
         return 0
     # The plane runs on the interpreter that runs this (the plugstack's python=).
-    env = {**os.environ, "GREYHOUND_CONTROL_PLANE": "1"}
+    # Open MPI adds a peer lazily, when its first message arrives (add_procs_cutoff 0);
+    # a message from a rank that left MPI_Init early, reaching one still inside it,
+    # crashed the latter in its TCP transport (a NULL call under ompi_mpi_init ->
+    # opal_progress, twice in a dozen starts on a loaded machine). All peers are added
+    # inside MPI_Init instead: one per node, a few thousand at most.
+    env = {**os.environ, "GREYHOUND_CONTROL_PLANE": "1", "OMPI_MCA_mpi_add_procs_cutoff": "1000000"}
     for attempt in range(1, STARTS + 1):
         try:
             proc = start_overlap_step([sys.executable, "-I", "-m", "greyhound.control.plane"],

@@ -11,7 +11,9 @@ a GEMM in the suspects' own processes, P2P tests between the nodes) needs every 
 the master only asks for it (:meth:`Master.take_request`), the plane runs the round on
 all nodes (pause.py) and hands the outcome back (:meth:`Master.complete_validation`).
 With ``validate=False`` a verdict rests on profiling alone and says so. A planner
-(mitigation) can subscribe to verdicts through ``on_verdict``.
+(mitigation, greyhound.mitigate.planner) plugs in: it hears every verdict
+(``on_verdict(verdict, ranks)``) and every poll (``poll(ranks)``), with the ranks'
+published state.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class _Episode:
 
 class Master:
     def __init__(self, run_dir: str | Path, client, *, nodes: list[str], config: MasterConfig | None = None,
-                 validate: bool = True, poll_s: float = 0.5, on_verdict=None) -> None:
+                 validate: bool = True, poll_s: float = 0.5, planner=None) -> None:
         self.run_dir = Path(run_dir)
         self.client = client
         self.nodes = nodes
@@ -70,9 +72,10 @@ class Master:
         self.validate = validate
         self.poll_s = poll_s
         self.request: dict | None = None
-        self.on_verdict = on_verdict
+        self.planner = planner
         self.state = "tracking"
         self.episode: _Episode | None = None
+        self._beat = 0.0
         store.set_plane_state(client, "tracking", master_node=nodes[0], nodes=nodes)
 
     def _event(self, kind: str, **fields) -> None:
@@ -87,6 +90,8 @@ class Master:
         """One decision round, after the agents have published this poll."""
         job = store.read_job(self.client)
         ranks = job["ranks"]
+        if self.planner is not None:
+            self.planner.poll(ranks)
         slow = {r: s for r, s in ranks.items() if s.get("slow_since") not in (None, "")}
         job_slow = bool(ranks) and len(slow) >= self.config.slow_rank_fraction * len(ranks)
         ep = self.episode
@@ -153,6 +158,14 @@ class Master:
             "passes": link_passes(links), "poll_s": self.poll_s,
         }
 
+    def heartbeat(self) -> None:
+        """The master is alive (during a validation round, which lasts seconds); at
+        most one write a second."""
+        now = time.monotonic()
+        if now - self._beat >= 1.0:
+            self._beat = now
+            store.set_plane_state(self.client, self.state)
+
     def take_request(self) -> dict | None:
         """The validation round the master wants now (every agent takes part), once."""
         request, self.request = self.request, None
@@ -175,42 +188,72 @@ class Master:
         ep.verdict = _verdict(ep.settled, results, ep, outcome)
         self.client.rpush(store.VERDICTS, store.dumps(ep.verdict))
         self._event("verdict", verdict=ep.verdict)
-        if self.on_verdict:
-            self.on_verdict(ep.verdict)
+        if self.planner is not None:
+            self.planner.on_verdict(ep.verdict, store.read_job(self.client)["ranks"])
         self._set("tracking")
 
 
 def _verdict(suspects: list[Suspect], results: list[dict] | None, ep: _Episode, outcome: dict | None) -> dict:
-    """The fail-slow named: a confirmed suspect first; else a slow link the P2P tests
-    found on their own; else the best unconfirmed suspect, marked as such."""
+    """The fail-slow named. Every finding the validation confirmed (a suspect whose
+    test came out slow, or slow links the P2P tests found on their own) has a strength,
+    how far its measurement is off: a GEMM's time over the references', a link's median
+    bandwidth over its own. The strongest leads and the others follow under ``also``
+    (a compound fail-slow): a link narrowed to 1% also slows the GEMM of a rank whose
+    transfers over it are held at the pause (measured 1.9x once), and must not be
+    named a compute straggler for it. With nothing confirmed, the best suspect, marked
+    as unconfirmed."""
     base = {"severity": round(ep.slowdown, 3), "since": ep.onset, "validated": results is not None,
             "detected_at": round(ep.detected_s, 3)}
-    if results is not None:
-        ok = {r["key"] for r in results if r.get("confirmed")}
-        confirmed = [s for s in suspects if _key(s) in ok]
-        if confirmed:
-            top = confirmed[0]
-            measured = next(r for r in results if r["key"] == _key(top))
-            where, nodes = top.as_dict()["where"], list(top.nodes)
-            # A slow group spans nodes; the P2P tests say which one the slow links share.
-            shared = {s["node"] for s in measured.get("slow_links", []) if s.get("node")} & set(nodes)
-            if top.kind == "link" and len(shared) == 1:
-                where, nodes = next(iter(shared)), sorted(shared)
-            return {"kind": top.kind, "where": where, "ranks": list(top.ranks),
-                    "nodes": nodes, "why": top.why, "measured": measured, **base}
-        slow = (outcome or {}).get("slow_links") or []
-        if slow:
-            node = slow[0]["node"]
-            return {"kind": "link", "where": node or slow[0]["link"], "ranks": [],
-                    "nodes": [node] if node else slow[0]["link"].split("-"),
-                    "why": f"P2P: {slow[0]['link']} at {slow[0]['ratio']:.0%} of the median bandwidth",
-                    "measured": slow, **base}
+    findings = _findings(suspects, results, (outcome or {}).get("slow_links") or []) if results is not None else []
+    if findings:
+        findings.sort(key=lambda f: -f["strength"])
+        also = [{k: f[k] for k in ("kind", "where", "ranks", "nodes", "strength", "slowness") if k in f}
+                for f in findings[1:]]
+        return {**findings[0], **base, **({"also": also} if also else {})}
     if not suspects:
         return {"kind": "unknown", "where": "-", "ranks": [], "nodes": [], "why": "no suspect stood out", **base}
     top = suspects[0]
     why = top.why + ("; validation did not confirm it" if results is not None else "; not validated")
     return {"kind": top.kind if results is None else "unknown", "where": top.as_dict()["where"],
             "ranks": list(top.ranks), "nodes": list(top.nodes), "why": why, **base}
+
+
+def _findings(suspects: list[Suspect], results: list[dict], slow_links: list[dict]) -> list[dict]:
+    """The confirmed findings of a validation round, each with its ``strength``."""
+    ok = {r["key"]: r for r in results if r.get("confirmed")}
+    out: list[dict] = []
+    explained: set[str] = set()
+    for s in suspects:
+        measured = ok.get(_key(s))
+        if measured is None:
+            continue
+        where, nodes = s.as_dict()["where"], list(s.nodes)
+        if s.kind == "link":
+            hits = measured.get("slow_links", [])
+            explained.update(h["link"] for h in hits)
+            strength = max((1 / max(h["ratio"], 1e-6) for h in hits), default=1.0)
+            # A slow group spans nodes; the P2P tests say which one the slow links share.
+            shared = {h["node"] for h in hits if h.get("node")} & set(nodes)
+            if len(shared) == 1:
+                where, nodes = next(iter(shared)), sorted(shared)
+        else:
+            strength = float(measured.get("ratio") or 1.0)
+        finding = {"kind": s.kind, "where": where, "ranks": list(s.ranks), "nodes": nodes, "why": s.why,
+                   "measured": measured, "strength": round(strength, 3)}
+        if s.kind == "compute":
+            # How much slower the rank does its own training work now (profiling's
+            # rise over the median rank's); the GEMM says only that it is slow (a CPU
+            # quota slowed one GEMM 8.3x and the rank's training work 3.4x).
+            finding["slowness"] = round(s.score, 3)
+        out.append(finding)
+    alone = [link for link in slow_links if link["link"] not in explained]
+    if alone:
+        top, node = alone[0], alone[0]["node"]
+        out.append({"kind": "link", "where": node or top["link"], "ranks": [],
+                    "nodes": [node] if node else top["link"].split("-"),
+                    "why": f"P2P: {top['link']} at {top['ratio']:.0%} of the median bandwidth",
+                    "measured": alone, "strength": round(1 / max(top["ratio"], 1e-6), 3)})
+    return out
 
 
 def _compute_rise(ranks: dict) -> dict[int, float]:

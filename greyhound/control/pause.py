@@ -44,17 +44,19 @@ def _local(agent) -> dict[int, _Process]:
     return {proc.reader.info.rank: proc for proc in agent.processes.values() if proc.reader.info.rank >= 0}
 
 
-def validation_round(comm, agent, request: dict, *, nodes: list[str]) -> dict | None:
-    """Runs the round; the result on rank 0 (None elsewhere)."""
+def validation_round(comm, agent, request: dict, *, nodes: list[str], beat=lambda: None) -> dict | None:
+    """Runs the round; the result on rank 0 (None elsewhere). ``beat`` is called
+    between its phases and while it waits (the master's heartbeat: a round lasts
+    seconds, and `greyhound status` takes a master silent that long as gone)."""
     local = _local(agent)
     try:
-        return _round(comm, agent, local, request, nodes=nodes)
+        return _round(comm, agent, local, request, nodes=nodes, beat=beat)
     finally:
         for proc in local.values():
             proc.reader.resume()
 
 
-def _round(comm, agent, local: dict, request: dict, *, nodes: list[str]) -> dict | None:
+def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat) -> dict | None:
     root = comm.rank == 0
     here = {rank: agent.clock(proc) for rank, proc in local.items()}
     clocks = [c for cs in comm.allgather([c for c in here.values() if c is not None]) for c in cs]
@@ -92,6 +94,7 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str]) -> dict
         late = comm.allreduce(time.time() > plan["deadline_s"], op=_lor())
         if everyone or late:
             break
+        beat()
         time.sleep(0.02)
     t_parked = time.time()
     if not everyone:
@@ -100,8 +103,8 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str]) -> dict
         where = {r: w for part in comm.allgather(where) for r, w in part.items()}
         return {"paused": False, "why": "not every rank reached the pause iteration in time",
                 "waited_s": round(t_parked - t_pause, 3), "ranks": where} if root else None
-    gemm = _gemm(comm, local, request)
-    bandwidth = link_bandwidth(comm, agent.node, request["passes"], nodes=nodes)
+    gemm = _gemm(comm, local, request, beat)
+    bandwidth = link_bandwidth(comm, agent.node, request["passes"], nodes=nodes, beat=beat)
     for proc in local.values():
         proc.reader.resume()
     t_resumed = time.time()
@@ -116,7 +119,7 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str]) -> dict
 
 
 def link_bandwidth(comm, node: str, passes: list, *, nodes: list[str],
-                   measure=p2p.measure_passes) -> dict[str, float]:
+                   measure=p2p.measure_passes, beat=lambda: None) -> dict[str, float]:
     """Every link's bandwidth, everywhere. When a link looks slow, all are measured
     once more and each keeps its better figure: a fail-slow link is slow both times,
     while a burst of other work on a shared node (or loopback) slows one round."""
@@ -125,6 +128,7 @@ def link_bandwidth(comm, node: str, passes: list, *, nodes: list[str],
         for part in comm.allgather(measure(comm, node, passes, nodes=nodes)):
             for link, bw in part.items():
                 bandwidth[link] = max(bw, bandwidth.get(link, 0.0))
+        beat()
         if not p2p.slow_links(bandwidth):   # the same figures on every rank: the same answer
             break
     return bandwidth
@@ -144,7 +148,7 @@ def _bench_on(comm, local: dict, rank: int, n: int) -> float | None:
     return found[0] if found else None
 
 
-def _gemm(comm, local: dict, request: dict) -> dict:
+def _gemm(comm, local: dict, request: dict, beat) -> dict:
     refs, suspects = request["gemm_references"], request["gemm_suspects"]
     if not suspects:
         return {"n": None, "times_s": {}}
@@ -162,6 +166,7 @@ def _gemm(comm, local: dict, request: dict) -> dict:
     for _ in range(GEMM_ROUNDS):
         for r in ranks:
             t = _bench_on(comm, local, r, n)
+            beat()
             if t is not None:
                 times[r] = min(t, times.get(r, t))
         fastest = min(times.values(), default=0.0)

@@ -54,6 +54,11 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
 
     comm = MPI.COMM_WORLD
     nodes = comm.allgather(node)
+    # Every pair of agents connects now, while the links are healthy: Open MPI's TCP
+    # transport connects a pair on its first message, and a first connect over a link
+    # narrowed by a fail-slow failed ("connect() ... Operation now in progress") and
+    # hung the plane mid-validation. One connection per pair of nodes.
+    comm.alltoall([None] * comm.size)
     redis_proc = address = None
     if comm.rank == 0:
         from greyhound.control.redis_server import start_redis
@@ -77,21 +82,30 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
     master = None
     try:
         if comm.rank == 0:
-            master = Master(run_dir, client, nodes=nodes, config=config.master, poll_s=config.agent.poll_s)
+            planner = None
+            if os.environ.get("GREYHOUND_MODE") == "mitigate":
+                from greyhound.mitigate.planner import Planner
+
+                planner = Planner(client, run_dir)
+            master = Master(run_dir, client, nodes=nodes, config=config.master, poll_s=config.agent.poll_s,
+                            planner=planner)
             append_event(run_dir, "control_plane_started", master_node=node, nodes=nodes,
                          poll_s=config.agent.poll_s, pid=os.getpid())
+        # The master beats while it waits for the others too: an agent slowed by a
+        # congested link (its Redis round trips take seconds) is not a dead master.
+        beat = master.heartbeat if master is not None else (lambda: None)
         while not stop.requested:
             t0 = time.monotonic()
             agent.poll()
             agent.publish(client)
-            if not _together(comm, stop):       # every agent has published this poll
+            if not _together(comm, stop, beat):       # every agent has published this poll
                 break
             request = None
             if master is not None:
                 master.step()
                 request = master.take_request()
-            if _bcast_flag(comm, request is not None, stop):
-                outcome = validation_round(comm, agent, comm.bcast(request, root=0), nodes=nodes)
+            if _bcast_flag(comm, request is not None, stop, beat):
+                outcome = validation_round(comm, agent, comm.bcast(request, root=0), nodes=nodes, beat=beat)
                 if master is not None:
                     master.complete_validation(outcome)
             time.sleep(max(0.0, config.agent.poll_s - (time.monotonic() - t0)))
@@ -116,20 +130,20 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
     return 0
 
 
-def _together(comm, stop: _Stop) -> bool:
+def _together(comm, stop: _Stop, beat) -> bool:
     """A barrier that a stop request (the job ending) interrupts: False then."""
-    return _wait(comm.Ibarrier(), stop)
+    return _wait(comm.Ibarrier(), stop, beat)
 
 
-def _bcast_flag(comm, flag: bool, stop: _Stop) -> bool:
+def _bcast_flag(comm, flag: bool, stop: _Stop, beat) -> bool:
     """Rank 0's flag on every rank (False when a stop request interrupts it)."""
     import numpy as np
 
     buf = np.array([1 if flag else 0], dtype=np.int8)
-    return _wait(comm.Ibcast(buf, root=0), stop) and bool(buf[0])
+    return _wait(comm.Ibcast(buf, root=0), stop, beat) and bool(buf[0])
 
 
-def _wait(request, stop: _Stop) -> bool:
+def _wait(request, stop: _Stop, beat) -> bool:
     """Waits for a non-blocking MPI request, testing it ever less often (1 ms, 2 ms, ...,
     50 ms): each test drives Open MPI's TCP transport, and testing every 2 ms kept each
     waiting plane rank at a tenth of a core. False when a stop request interrupts it."""
@@ -137,6 +151,7 @@ def _wait(request, stop: _Stop) -> bool:
     while not request.Test():
         if stop.requested:
             return False
+        beat()
         time.sleep(nap)
         nap = min(2 * nap, 0.05)
     return True
