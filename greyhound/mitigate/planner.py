@@ -13,11 +13,17 @@ ladder's rule (escalate when the loss so far reaches the next level's cost) take
 at the first validated verdict; the event says so with its numbers.
 
 Stepping back: while the plan is in force the job's iteration time no longer shows the
-straggler (that is the point), so its end is read from the straggler itself: its work
-per micro-batch outside communication (the agents' ``compute_s`` over the micro-batches
-its replica now runs) against the same stage's ranks in the other replicas. When it is
-back within ``end_ratio`` of theirs for ``end_polls`` polls, the job's own split
-returns.
+straggler (that is the point: the replicas are balanced, and when the straggler
+recovers the other replica, now with more micro-batches, still sets the pace), so its
+end is read from the straggler's own work per iteration outside communication (the
+agents' ``compute_s``). That work changes with the split too, by a share the job
+decides (linear in micro-batches on a GPU-bound stage; constant where per-step work
+dominates, as in the CPU reference job), so the planner measures the share on the
+straggler itself: its work just before the plan and again once the plan has settled,
+the fail-slow unchanged in between, give the split's factor; the rank's healthy work
+before the fail-slow times that factor is what it will do when healthy under the plan
+(:func:`expected_healthy`). Back below that, with a margin, for ``end_polls`` polls:
+the job's own split returns.
 """
 
 from __future__ import annotations
@@ -37,8 +43,8 @@ from greyhound.mitigate.training import APPLIED_KEY, LAYOUT_KEY, PLAN_KEY
 log = logging.getLogger(__name__)
 
 WATCH_KEY = "mitigation:watch"
-"""The planner's view of the plan in force (JSON ``{"version", "ratios",
-"recovered_polls"}``: each straggler's work per micro-batch over its stage peers')."""
+"""The planner's view of the plan in force (JSON ``{"version", "recovered_polls",
+"work"}``: each straggler's work per iteration, see :attr:`Planner.work`)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,26 +71,19 @@ def replica_seconds(replicas: Sequence[Sequence[int]], slowness: dict[int, float
     return np.array([max((slowness.get(r, 1.0) for r in members), default=1.0) for members in replicas])
 
 
-def stage_peers(replicas: Sequence[Sequence[int]], rank: int) -> list[int]:
-    """The ranks that hold the same pipeline stage as ``rank`` in the other replicas."""
-    for members in replicas:
-        if rank in members:
-            stage = list(members).index(rank)
-            return [m[stage] for m in replicas if m is not members and stage < len(m)]
-    return []
+def expected_healthy(base_s: float, before_s: float, settled_s: float) -> float:
+    """A straggler's work per iteration when it recovers under the plan: its healthy
+    work before the fail-slow (``base_s``) times the plan's own factor on it (work under
+    the plan over work just before it, both during the fail-slow)."""
+    return base_s * settled_s / before_s if before_s > 0 else base_s
 
 
-def per_microbatch_ratio(rank: int, replicas: Sequence[Sequence[int]], split: Sequence[int],
-                         compute_s: dict[int, float]) -> float | None:
-    """The rank's work per micro-batch over the median of its stage peers' (None when
-    a figure is missing)."""
-    replica_of = {r: i for i, members in enumerate(replicas) for r in members}
-    peers = [p for p in stage_peers(replicas, rank) if p in compute_s]
-    if rank not in compute_s or rank not in replica_of or not peers:
-        return None
-    mine = compute_s[rank] / split[replica_of[rank]]
-    theirs = float(np.median([compute_s[p] / split[replica_of[p]] for p in peers]))
-    return mine / theirs if theirs > 0 else None
+def recovery_threshold(healthy_s: float, settled_s: float, end_ratio: float) -> float:
+    """Work per iteration below which the straggler counts as recovered: ``end_ratio``
+    above its expected healthy work, but never past the geometric middle between that
+    and its work under the fail-slow (a mild straggler's two levels are close)."""
+    middle = (healthy_s * settled_s) ** 0.5 if settled_s > healthy_s > 0 else healthy_s
+    return min(end_ratio * healthy_s, max(middle, healthy_s))
 
 
 class Planner:
@@ -97,6 +96,9 @@ class Planner:
         self.version = 0
         self.stragglers: dict[int, float] = {}
         """rank -> measured slowness, while a plan is in force."""
+        self.work: dict[int, dict[str, float]] = {}
+        """rank -> its work per iteration: ``base`` (healthy), ``before`` (the plan),
+        ``settled`` (under the plan, the fail-slow on), ``threshold``."""
         self._polls_applied = 0
         self._recovered_polls = 0
 
@@ -119,6 +121,15 @@ class Planner:
                          why="the training processes do not call greyhound.mitigate (no layout on the board)")
             return
         self.stragglers.update(found)
+        # Every straggler's work is measured again around the new plan (an earlier
+        # straggler's healthy base stays what it was before its fail-slow).
+        for rank in self.stragglers:
+            state = ranks.get(rank, {})
+            try:
+                base = self.work[rank]["base"] if rank in self.work else float(state["compute_base_s"])
+                self.work[rank] = {"base": base, "before": float(state["compute_s"])}
+            except (KeyError, TypeError, ValueError):
+                self.work.pop(rank, None)      # no figures: the plan stays until the job ends
         self._publish(layout, ranks, why=f"compute straggler(s) {_ranks_text(self.stragglers)}")
 
     def poll(self, ranks: dict) -> None:
@@ -128,25 +139,30 @@ class Planner:
         self._polls_applied += 1
         if self._polls_applied <= self.config.settle_polls:
             return
-        layout = self._layout()
-        if layout is None:
-            return
-        split = json.loads(self.client.get(PLAN_KEY))["microbatch_split"]
         compute = {int(r): float(s["compute_s"]) for r, s in ranks.items() if s.get("compute_s") not in (None, "")}
-        ratios = {r: per_microbatch_ratio(r, layout["replicas"], split, compute) for r in self.stragglers}
-        self.client.set(WATCH_KEY, json.dumps({"version": self.version, "ratios": ratios,
-                                               "recovered_polls": self._recovered_polls}))
-        if all(x is not None and x < self.config.end_ratio for x in ratios.values()):
-            self._recovered_polls += 1
-        else:
-            self._recovered_polls = 0
+        watched = {r: w for r, w in self.work.items() if r in compute}
+        for rank, work in watched.items():
+            if "settled" not in work:
+                work["settled"] = compute[rank]
+                healthy = expected_healthy(work["base"], work["before"], work["settled"])
+                work["threshold"] = recovery_threshold(healthy, work["settled"], self.config.end_ratio)
+        recovered = bool(watched) and len(watched) == len(self.stragglers) and all(
+            compute[r] < w["threshold"] for r, w in watched.items())
+        self._recovered_polls = self._recovered_polls + 1 if recovered else 0
+        self.client.set(WATCH_KEY, json.dumps({"version": self.version, "recovered_polls": self._recovered_polls,
+                                               "work": {str(r): {**w, "now": compute.get(r)}
+                                                        for r, w in self.work.items()}}))
         if self._recovered_polls >= self.config.end_polls:
+            layout = self._layout()
+            if layout is None:
+                return
             self.version += 1
             self._write_plan(layout["microbatch_split"], level="S1", why="the straggler(s) recovered")
             append_event(self.run_dir, "mitigation_ended", level="S2", version=self.version,
                          microbatch_split=layout["microbatch_split"],
-                         ratios={str(r): round(x or 0.0, 3) for r, x in ratios.items()})
+                         work={str(r): {k: round(v, 4) for k, v in w.items()} for r, w in watched.items()})
             self.stragglers.clear()
+            self.work.clear()
 
     def _publish(self, layout: dict, ranks: dict, *, why: str) -> None:
         default = list(layout["microbatch_split"])

@@ -1,0 +1,159 @@
+"""S2 on the master's side (greyhound.mitigate.planner) and the training side
+(greyhound.mitigate.training) on a real job Redis; the training side in a real gloo
+world of two processes."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+
+import pytest
+
+from greyhound.control import store
+from greyhound.control.events import read_events
+from greyhound.control.redis_server import start_redis, stop_redis
+from greyhound.mitigate.planner import (Planner, PlannerConfig, expected_healthy, recovery_threshold,
+                                        replica_seconds, slow_loss)
+from greyhound.mitigate.training import APPLIED_KEY, LAYOUT_KEY, PLAN_KEY, Mitigation
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server is not installed: run scripts/setup")
+REPLICAS = [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.fixture
+def job(tmp_path):
+    proc, address = start_redis(tmp_path, host="127.0.0.1")
+    yield tmp_path, address.client()
+    stop_redis(proc)
+
+
+def test_a_replica_runs_at_its_slowest_members_pace():
+    assert replica_seconds(REPLICAS, {5: 2.5, 6: 1.2}).tolist() == [1.0, 2.5]
+    assert replica_seconds(REPLICAS, {}).tolist() == [1.0, 1.0]
+
+
+def test_the_healthy_work_under_a_plan_follows_the_split_as_measured_on_the_straggler():
+    # Work linear in micro-batches: 8 -> 4 halves it, healthy 0.1 -> 0.05 under the plan.
+    assert expected_healthy(0.1, before_s=0.3, settled_s=0.15) == pytest.approx(0.05)
+    # Work that does not follow the split (per-step work dominates): healthy stays 0.1.
+    assert expected_healthy(0.1, before_s=0.3, settled_s=0.3) == pytest.approx(0.1)
+    # The threshold: 1.25x healthy, but below the middle of a mild straggler's levels.
+    assert recovery_threshold(0.1, 0.3, 1.25) == pytest.approx(0.125)
+    assert recovery_threshold(0.1, 0.12, 1.25) == pytest.approx((0.1 * 0.12) ** 0.5)
+
+
+def test_the_loss_so_far_is_slow_iterations_times_the_extra_seconds():
+    ranks = {r: {"baseline_s": 0.2, "current_s": 0.5, "iterations": 70, "slow_since": 50} for r in range(4)}
+    assert slow_loss(ranks) == (pytest.approx(6.0), 0.2)
+    assert slow_loss({0: {"baseline_s": ""}}) == (None, None)
+
+
+def _ranks(compute: dict[int, float], base: float = 0.05) -> dict:
+    return {r: {"compute_s": compute.get(r, base), "compute_base_s": base, "baseline_s": 0.25,
+                "current_s": 0.5, "iterations": 80, "slow_since": 60} for r in range(8)}
+
+
+VERDICT = {"kind": "compute", "ranks": [5], "nodes": ["n3"], "validated": True, "slowness": 3.0,
+           "strength": 8.0, "where": "rank 5 on n3"}
+
+
+def test_a_validated_compute_straggler_gets_the_exact_split_and_the_job_its_own_back_when_it_recovers(job):
+    run_dir, client = job
+    planner = Planner(client, run_dir, config=PlannerConfig(settle_polls=2, end_polls=3))
+    client.set(LAYOUT_KEY, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    planner.on_verdict(VERDICT, _ranks({5: 0.15}))
+    plan = json.loads(client.get(PLAN_KEY))
+    # Replica 1 at 3x: 12 x 1 = 4 x 3 = 12 s, the least makespan (even: 24 s).
+    assert (plan["version"], plan["microbatch_split"], plan["level"]) == (1, [12, 4], "S2")
+    event = read_events(run_dir)[-1]
+    assert (event["kind"], event["expected_speedup"], event["loss_s"], event["cost_s"]) == \
+        ("mitigation", 2.0, 5.0, 0.25)
+    # Nothing is judged before the training side applied the plan, then settle polls.
+    for _ in range(5):
+        planner.poll(_ranks({5: 0.15}))
+    assert planner.work[5].get("settled") is None
+    client.set(APPLIED_KEY, json.dumps({"version": 1, "step": 70, "microbatch_split": [12, 4]}))
+    for _ in range(6):                        # the plan in force, the straggler still slow
+        planner.poll(_ranks({5: 0.15}))
+    assert planner.work[5]["settled"] == 0.15 and json.loads(client.get(PLAN_KEY))["version"] == 1
+    for _ in range(2):                        # healthy again, two polls: not yet
+        planner.poll(_ranks({5: 0.05}))
+    planner.poll(_ranks({5: 0.2}))            # a relapse resets the count
+    for _ in range(3):
+        planner.poll(_ranks({5: 0.05}))
+    plan = json.loads(client.get(PLAN_KEY))
+    assert (plan["version"], plan["microbatch_split"], plan["level"]) == (2, [8, 8], "S1")
+    assert [e["kind"] for e in read_events(run_dir)] == ["mitigation", "mitigation_ended"]
+
+
+def test_unvalidated_or_link_verdicts_and_jobs_without_the_training_side_get_no_plan(job):
+    run_dir, client = job
+    planner = Planner(client, run_dir)
+    planner.on_verdict({**VERDICT, "validated": False}, _ranks({}))
+    planner.on_verdict({"kind": "link", "ranks": [], "nodes": ["n3"], "validated": True}, _ranks({}))
+    assert client.get(PLAN_KEY) is None and read_events(run_dir) == []
+    planner.on_verdict(VERDICT, _ranks({}))           # no layout: the job does not take plans
+    assert client.get(PLAN_KEY) is None
+    assert [e["kind"] for e in read_events(run_dir)] == ["mitigation_skipped"]
+
+
+def test_the_training_side_is_inert_outside_mitigate_mode(monkeypatch, tmp_path):
+    monkeypatch.setenv("GREYHOUND_MODE", "detect")
+    monkeypatch.setenv("GREYHOUND_RUN_DIR", str(tmp_path))
+    m = Mitigation.from_env(microbatch_split=(8, 8), replicas=REPLICAS, rank=0)
+    # No process group exists: an active step would fail on the broadcast.
+    assert not m.active and m.step(0).microbatch_split == (8, 8)
+    monkeypatch.delenv("GREYHOUND_MODE")
+    assert not Mitigation.from_env(microbatch_split=(8, 8), replicas=REPLICAS, rank=0).active
+    with pytest.raises(ValueError, match="one entry >= 1 per replica"):
+        Mitigation(microbatch_split=(8,), replicas=REPLICAS, rank=0, active=False)
+
+
+def _train(rank: int, port: int, run_dir: str, steps: int, out) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(GREYHOUND_MODE="mitigate", GREYHOUND_RUN_DIR=run_dir)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    m = Mitigation.from_env(microbatch_split=(4, 4), replicas=[[0], [1]], rank=rank)
+    client = None
+    if rank == 0:
+        from greyhound.control.redis_server import read_address
+
+        client = read_address(run_dir).client()
+    splits = []
+    for step in range(steps):
+        if rank == 0 and step == 3:
+            client.set(PLAN_KEY, json.dumps({"version": 1, "microbatch_split": [6, 2]}))
+        if rank == 0 and step == 6:     # malformed: the plan in force stays
+            client.set(PLAN_KEY, json.dumps({"version": 2, "microbatch_split": [7, 7]}))
+        splits.append(m.step(step).microbatch_split)
+        dist.barrier()                  # rank 1 may run ahead of rank 0's writes otherwise
+    out.put((rank, splits))
+    dist.destroy_process_group()
+
+
+def test_every_rank_switches_to_a_plan_at_the_same_step_and_a_bad_plan_changes_nothing(job):
+    run_dir, client = job
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_train, args=(r, port, str(run_dir), 9, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    # Rank 0 finds the board at step 0 and reads each step; the plan set before step 3's
+    # read holds from step 3 on, on both ranks; the bad one (sum 14, not 8) is ignored.
+    want = [(4, 4)] * 3 + [(6, 2)] * 6
+    assert got[0] == got[1] == want
+    assert json.loads(client.get(LAYOUT_KEY)) == {"microbatch_split": [4, 4], "replicas": [[0], [1]]}
+    assert json.loads(client.get(APPLIED_KEY)) == {"version": 1, "step": 3, "microbatch_split": [6, 2]}
+    assert store.read_job(client)["ranks"] == {}
