@@ -13,69 +13,14 @@ import os
 import pwd
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SlurmJob
+from conftest import REPO
 from greyhound.control.events import read_events
+from reference_job import GREYHOUND, RUN_DIR_BASE, losses, status, step_times, submit, wait_tracking
 
 pytestmark = pytest.mark.cluster
-
-GREYHOUND = str(REPO / ".venv/bin/greyhound")
-RUN_DIR_BASE = Path("/var/tmp/greyhound")
-
-
-def submit(out: Path, steps: int, *extra: str, env: dict | None = None, greyhound: bool = True) -> SlurmJob:
-    out.mkdir(mode=0o755, exist_ok=True)
-    env = dict(os.environ, GREYHOUND_REPO=str(REPO), OUT_DIR=str(out), **(env or {}))
-    proc = subprocess.run(
-        ["sbatch", "--parsable", "--greyhound" if greyhound else "--greyhound=off", f"--output={out}/job.out",
-         str(REPO / "examples/gpt_hybrid.sbatch"),
-         "--steps", str(steps), "--trace-every", "1000", *extra],
-        capture_output=True, text=True, env=env, cwd=out, check=True, timeout=60,
-    )
-    return SlurmJob(proc.stdout.strip().split(";")[0], out / "job.out")
-
-
-def status(job_id: str) -> dict:
-    proc = subprocess.run([GREYHOUND, "status", "--json", job_id], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
-
-
-READY_ITERATIONS = 40
-"""Iterations before an injection: the trackers take the first regime that lasts 20
-iterations (intervals.slow_intervals' min_reference) as healthy, and the reference job's
-first few steps are a regime of their own (warm-up). A fail-slow that starts before
-that is the job's reference level: nothing to compare it with (CI once injected at the
-tracker's 16th healthy iteration, and nothing was detected)."""
-
-
-def wait_tracking(job_id: str, iterations: int = READY_ITERATIONS, timeout_s: float = 240) -> dict:
-    """Waits until every rank's tracker reports iterations; the status then."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            st = status(job_id)
-        except AssertionError:
-            st = {}
-        ranks = st.get("ranks") or {}
-        if len(ranks) == 8 and all(int(r.get("iterations") or 0) >= iterations for r in ranks.values()):
-            return st
-        time.sleep(1)
-    raise AssertionError(f"job {job_id}: trackers did not report {iterations} iterations in {timeout_s}s: {st}")
-
-
-def losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def step_times(out: Path) -> list[tuple[float, float]]:
-    """(end time, step time) of each step."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [(r["time"], r["step_time"]) for r in rows]
-
 
 def test_a_compute_fail_slow_is_detected_validated_named_and_its_end_seen(cluster, tmp_path):
     out = tmp_path / "out"
@@ -168,7 +113,7 @@ def test_killing_the_master_while_the_job_is_paused_changes_nothing_in_the_job(c
     assert timeouts == [1] * 8, timeouts            # each rank let itself go, once
     assert held_s < timeout_s + 5, held_s
     assert shown["control_plane"] == "failed", shown
-    undisturbed = submit(tmp_path / "plain", steps, greyhound=False)
+    undisturbed = submit(tmp_path / "plain", steps, greyhound="off")
     assert undisturbed.wait(900) == "COMPLETED", undisturbed.text()
     got, want = losses(tmp_path / "out"), losses(tmp_path / "plain")
     assert len(got) == len(want) == steps

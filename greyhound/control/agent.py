@@ -108,6 +108,9 @@ HISTORY_POLLS = 70
 """Polls kept: the baseline covers the 60 before the recent ones (30 s at the default
 poll; a slowdown found within seconds of its onset leaves it clean)."""
 MIN_ITERATIONS = 3
+STALLED_POLLS = 4
+"""A poll this many intervals after the previous one spans a stall of the plane (a
+validation round): its figures are not counted."""
 _IS_BLOCKING = op_mask(CALL_OPS | {OP["Wait"]})
 _IS_COLLECTIVE = op_mask(COLLECTIVE_OPS)
 
@@ -157,8 +160,11 @@ class NodeAgent:
             was_locked = proc.tracker.locked
             update = proc.tracker.feed(batch.records, lost=batch.lost)
             # The poll that locks on reports every iteration since the warm-up at once,
-            # and a re-lock withdraws some: neither is this poll's work.
-            if proc.last_poll is not None and was_locked and update.withdrawn_from is None:
+            # and a re-lock withdraws some: neither is this poll's work. Nor is a poll
+            # that spans a validation round: its parked seconds are outside any call's
+            # record yet, and would read as seconds of work on every rank.
+            if proc.last_poll is not None and was_locked and update.withdrawn_from is None and \
+                    now - proc.last_poll < STALLED_POLLS * self.config.poll_s:
                 proc.polls.append((now - proc.last_poll, blocked_seconds(batch.records),
                                    len(update.iteration_times)))
             proc.last_poll = now

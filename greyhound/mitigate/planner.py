@@ -16,14 +16,15 @@ Stepping back: while the plan is in force the job's iteration time no longer sho
 straggler (that is the point: the replicas are balanced, and when the straggler
 recovers the other replica, now with more micro-batches, still sets the pace), so its
 end is read from the straggler's own work per iteration outside communication (the
-agents' ``compute_s``). That work changes with the split too, by a share the job
-decides (linear in micro-batches on a GPU-bound stage; constant where per-step work
-dominates, as in the CPU reference job), so the planner measures the share on the
-straggler itself: its work just before the plan and again once the plan has settled,
-the fail-slow unchanged in between, give the split's factor; the rank's healthy work
-before the fail-slow times that factor is what it will do when healthy under the plan
-(:func:`expected_healthy`). Back below that, with a margin, for ``end_polls`` polls:
-the job's own split returns.
+agents' ``compute_s``): measured once the plan has settled (the fail-slow still on),
+then watched; a drop by ``end_drop`` held for ``end_polls`` polls is its end, and the
+job's own split returns. That work changes with the split by a share each job decides
+(linear in micro-batches on a GPU-bound stage, flat where per-step work dominates, as
+in the CPU reference job), so it is compared with itself under the same plan only; and
+a drop, not a level: the figures right around a plan and a pause mix regimes (judged
+against the work before the plan, a recovery was called while the straggler was
+still 1.5x slow). A fail-slow that ends before the plan settles leaves the plan in
+force until the job ends: it costs only the imbalance, never a wrong step back.
 """
 
 from __future__ import annotations
@@ -49,18 +50,19 @@ WATCH_KEY = "mitigation:watch"
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PlannerConfig:
-    end_ratio: float = 1.25
-    """A straggler whose work per micro-batch is within this factor of its stage peers'
-    has recovered."""
-    end_polls: int = 4
+    end_drop: float = 1.3
+    """A straggler whose work per iteration fell by this factor from its level under
+    the plan has recovered (the figure varies by about 15% from poll to poll)."""
+    end_polls: int = 6
     """Consecutive polls it must stay so before the job's own split returns."""
-    settle_polls: int = 12
-    """Polls after a plan is applied before its effect is judged (the agents' recent
-    figures cover 10 polls)."""
+    settle_polls: int = 24
+    """Polls after a plan is applied before its effect is judged: the new split changes
+    the calls of an iteration, the trackers lock on again (16 iterations), and the
+    agents' recent figures cover 10 polls after that."""
 
     def __post_init__(self) -> None:
-        if not self.end_ratio > 1:
-            raise ValueError(f"end_ratio={self.end_ratio} must be > 1")
+        if not self.end_drop > 1:
+            raise ValueError(f"end_drop={self.end_drop} must be > 1")
         if self.end_polls < 1 or self.settle_polls < 0:
             raise ValueError("end_polls must be >= 1 and settle_polls >= 0")
 
@@ -71,19 +73,10 @@ def replica_seconds(replicas: Sequence[Sequence[int]], slowness: dict[int, float
     return np.array([max((slowness.get(r, 1.0) for r in members), default=1.0) for members in replicas])
 
 
-def expected_healthy(base_s: float, before_s: float, settled_s: float) -> float:
-    """A straggler's work per iteration when it recovers under the plan: its healthy
-    work before the fail-slow (``base_s``) times the plan's own factor on it (work under
-    the plan over work just before it, both during the fail-slow)."""
-    return base_s * settled_s / before_s if before_s > 0 else base_s
-
-
-def recovery_threshold(healthy_s: float, settled_s: float, end_ratio: float) -> float:
-    """Work per iteration below which the straggler counts as recovered: ``end_ratio``
-    above its expected healthy work, but never past the geometric middle between that
-    and its work under the fail-slow (a mild straggler's two levels are close)."""
-    middle = (healthy_s * settled_s) ** 0.5 if settled_s > healthy_s > 0 else healthy_s
-    return min(end_ratio * healthy_s, max(middle, healthy_s))
+def recovered(now_s: float, settled_s: float, drop: float) -> bool:
+    """Whether a straggler's work per iteration fell by ``drop`` from its level under
+    the plan with the fail-slow on."""
+    return now_s * drop < settled_s
 
 
 class Planner:
@@ -98,7 +91,7 @@ class Planner:
         """rank -> measured slowness, while a plan is in force."""
         self.work: dict[int, dict[str, float]] = {}
         """rank -> its work per iteration: ``base`` (healthy), ``before`` (the plan),
-        ``settled`` (under the plan, the fail-slow on), ``threshold``."""
+        ``settled`` (under the plan, the fail-slow on); for the record and status."""
         self._polls_applied = 0
         self._recovered_polls = 0
 
@@ -142,13 +135,10 @@ class Planner:
         compute = {int(r): float(s["compute_s"]) for r, s in ranks.items() if s.get("compute_s") not in (None, "")}
         watched = {r: w for r, w in self.work.items() if r in compute}
         for rank, work in watched.items():
-            if "settled" not in work:
-                work["settled"] = compute[rank]
-                healthy = expected_healthy(work["base"], work["before"], work["settled"])
-                work["threshold"] = recovery_threshold(healthy, work["settled"], self.config.end_ratio)
-        recovered = bool(watched) and len(watched) == len(self.stragglers) and all(
-            compute[r] < w["threshold"] for r, w in watched.items())
-        self._recovered_polls = self._recovered_polls + 1 if recovered else 0
+            work.setdefault("settled", compute[rank])
+        ended = bool(watched) and len(watched) == len(self.stragglers) and all(
+            recovered(compute[r], w["settled"], self.config.end_drop) for r, w in watched.items())
+        self._recovered_polls = self._recovered_polls + 1 if ended else 0
         self.client.set(WATCH_KEY, json.dumps({"version": self.version, "recovered_polls": self._recovered_polls,
                                                "work": {str(r): {**w, "now": compute.get(r)}
                                                         for r, w in self.work.items()}}))
