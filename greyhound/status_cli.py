@@ -110,6 +110,12 @@ def render_text(status: dict) -> str:
     for v in status.get("verdicts") or []:
         lines.append(f"fail-slow: {v.get('kind')} at {v.get('where')}, severity {v.get('severity', 0):.2f}x, "
                      f"since {v.get('since', '?')}")
+    plan, applied = status.get("plan"), status.get("applied")
+    if isinstance(plan, dict) and plan.get("version"):
+        since = f", in force from step {applied['step']}" if isinstance(applied, dict) and \
+            applied.get("version") == plan["version"] else ", not applied yet"
+        lines.append(f"mitigation {plan.get('level', '?')} (plan {plan['version']}): micro-batches per DP "
+                     f"replica {','.join(map(str, plan.get('microbatch_split', [])))}{since}; {plan.get('why', '')}")
     pauses = status.get("pauses") or {}
     if pauses:
         lines.append(f"pauses: {pauses.get('count', 0)}, {float(pauses.get('total_s', 0)):.2f}s in all")

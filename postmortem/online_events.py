@@ -28,11 +28,12 @@ from postmortem.schema import Trace
 MARKERS: dict[str, str] = {
     "detected": "detection", "verdict": "verdict", "paused": "pause",
     "recovered": "recovery", "back_to_tracking": "recovery",
+    "mitigation": "mitigation", "mitigation_ended": "mitigation",
 }
 """Event kind -> the plot marker it gets (the other kinds are listed, not marked)."""
 MARKER_STYLE: dict[str, tuple[str, str]] = {
     "detection": ("tab:orange", "--"), "verdict": ("tab:red", "-"),
-    "pause": ("tab:purple", ":"), "recovery": ("tab:green", "-."),
+    "pause": ("tab:purple", ":"), "recovery": ("tab:green", "-."), "mitigation": ("tab:blue", "-"),
 }
 """Marker -> (colour, line style) on the per-step plot."""
 MAX_MARKERS = 200
@@ -333,6 +334,31 @@ def _started(e: dict) -> str:
     return "control plane started" + (f" ({shown})" if shown else "")
 
 
+def _split(value) -> str | None:
+    """[13, 3] -> "13,3" (None unless a short list of ints)."""
+    if not isinstance(value, list) or not value or len(value) > 64 or \
+            not all(isinstance(m, int) and not isinstance(m, bool) for m in value):
+        return None
+    return ",".join(map(str, value))
+
+
+def _mitigation(e: dict) -> str:
+    level = _str(e.get("level"), 8) or "?"
+    split, previous = _split(e.get("microbatch_split")), _split(e.get("previous"))
+    speedup, loss, cost = _x(e.get("expected_speedup")), _num(e.get("loss_s")), _num(e.get("cost_s"))
+    return _join(f"mitigation {level}",
+                 f": micro-batches per DP replica {previous or '?'} -> {split}" if split else None,
+                 f", expected {speedup} faster" if speedup else None,
+                 f" (lost so far {loss:.3g} s" if loss is not None else None,
+                 (f"; cost about {cost:.3g} s)" if loss is not None else f" (cost about {cost:.3g} s)")
+                 if cost is not None else (")" if loss is not None else None))
+
+
+def _mitigation_ended(e: dict) -> str:
+    split = _split(e.get("microbatch_split"))
+    return "mitigation ended" + (f": micro-batches back to {split}" if split else "")
+
+
 def _failed(e: dict) -> str:
     why = _str(e.get("why"), 160)
     return "control plane failed" + (f": {why}" if why else "")
@@ -343,6 +369,8 @@ _SUMMARIES = {
     "verdict": _verdict, "recovered": _recovered, "back_to_tracking": _back,
     "control_plane_started": _started, "control_plane_failed": _failed,
     "control_plane_stopped": lambda e: "control plane stopped", "resumed": lambda e: "resumed",
+    "mitigation": _mitigation, "mitigation_ended": _mitigation_ended,
+    "mitigation_skipped": lambda e: "mitigation skipped" + (f": {why}" if (why := _str(e.get("why"), 160)) else ""),
 }
 
 

@@ -16,7 +16,7 @@ from greyhound.control import store
 from greyhound.control.events import read_events
 from greyhound.control.redis_server import start_redis, stop_redis
 from greyhound.mitigate.planner import Planner, PlannerConfig, recovered, replica_seconds, slow_loss
-from greyhound.mitigate.training import APPLIED_KEY, LAYOUT_KEY, PLAN_KEY, Mitigation
+from greyhound.mitigate.training import Mitigation
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is not installed: run scripts/setup")
@@ -58,9 +58,9 @@ VERDICT = {"kind": "compute", "ranks": [5], "nodes": ["n3"], "validated": True, 
 def test_a_validated_compute_straggler_gets_the_exact_split_and_the_job_its_own_back_when_it_recovers(job):
     run_dir, client = job
     planner = Planner(client, run_dir, config=PlannerConfig(settle_polls=2, end_polls=3))
-    client.set(LAYOUT_KEY, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
     planner.on_verdict(VERDICT, _ranks({5: 0.15}))
-    plan = json.loads(client.get(PLAN_KEY))
+    plan = json.loads(client.get(store.PLAN))
     # Replica 1 at 3x: 12 x 1 = 4 x 3 = 12 s, the least makespan (even: 24 s).
     assert (plan["version"], plan["microbatch_split"], plan["level"]) == (1, [12, 4], "S2")
     event = read_events(run_dir)[-1]
@@ -70,16 +70,16 @@ def test_a_validated_compute_straggler_gets_the_exact_split_and_the_job_its_own_
     for _ in range(5):
         planner.poll(_ranks({5: 0.15}))
     assert planner.work[5].get("settled") is None
-    client.set(APPLIED_KEY, json.dumps({"version": 1, "step": 70, "microbatch_split": [12, 4]}))
+    client.set(store.TRAINING_APPLIED, json.dumps({"version": 1, "step": 70, "microbatch_split": [12, 4]}))
     for _ in range(6):                        # the plan in force, the straggler still slow
         planner.poll(_ranks({5: 0.15}))
-    assert planner.work[5]["settled"] == 0.15 and json.loads(client.get(PLAN_KEY))["version"] == 1
+    assert planner.work[5]["settled"] == 0.15 and json.loads(client.get(store.PLAN))["version"] == 1
     for _ in range(2):                        # healthy again, two polls: not yet
         planner.poll(_ranks({5: 0.05}))
     planner.poll(_ranks({5: 0.2}))            # a relapse resets the count
     for _ in range(3):
         planner.poll(_ranks({5: 0.05}))
-    plan = json.loads(client.get(PLAN_KEY))
+    plan = json.loads(client.get(store.PLAN))
     assert (plan["version"], plan["microbatch_split"], plan["level"]) == (2, [8, 8], "S1")
     assert [e["kind"] for e in read_events(run_dir)] == ["mitigation", "mitigation_ended"]
 
@@ -89,9 +89,9 @@ def test_unvalidated_or_link_verdicts_and_jobs_without_the_training_side_get_no_
     planner = Planner(client, run_dir)
     planner.on_verdict({**VERDICT, "validated": False}, _ranks({}))
     planner.on_verdict({"kind": "link", "ranks": [], "nodes": ["n3"], "validated": True}, _ranks({}))
-    assert client.get(PLAN_KEY) is None and read_events(run_dir) == []
+    assert client.get(store.PLAN) is None and read_events(run_dir) == []
     planner.on_verdict(VERDICT, _ranks({}))           # no layout: the job does not take plans
-    assert client.get(PLAN_KEY) is None
+    assert client.get(store.PLAN) is None
     assert [e["kind"] for e in read_events(run_dir)] == ["mitigation_skipped"]
 
 
@@ -121,9 +121,9 @@ def _train(rank: int, port: int, run_dir: str, steps: int, out) -> None:
     splits = []
     for step in range(steps):
         if rank == 0 and step == 3:
-            client.set(PLAN_KEY, json.dumps({"version": 1, "microbatch_split": [6, 2]}))
+            client.set(store.PLAN, json.dumps({"version": 1, "microbatch_split": [6, 2]}))
         if rank == 0 and step == 6:     # malformed: the plan in force stays
-            client.set(PLAN_KEY, json.dumps({"version": 2, "microbatch_split": [7, 7]}))
+            client.set(store.PLAN, json.dumps({"version": 2, "microbatch_split": [7, 7]}))
         splits.append(m.step(step).microbatch_split)
         dist.barrier()                  # rank 1 may run ahead of rank 0's writes otherwise
     out.put((rank, splits))
@@ -148,6 +148,19 @@ def test_every_rank_switches_to_a_plan_at_the_same_step_and_a_bad_plan_changes_n
     # read holds from step 3 on, on both ranks; the bad one (sum 14, not 8) is ignored.
     want = [(4, 4)] * 3 + [(6, 2)] * 6
     assert got[0] == got[1] == want
-    assert json.loads(client.get(LAYOUT_KEY)) == {"microbatch_split": [4, 4], "replicas": [[0], [1]]}
-    assert json.loads(client.get(APPLIED_KEY)) == {"version": 1, "step": 3, "microbatch_split": [6, 2]}
-    assert store.read_job(client)["ranks"] == {}
+    assert json.loads(client.get(store.TRAINING_LAYOUT)) == {"microbatch_split": [4, 4], "replicas": [[0], [1]]}
+    assert json.loads(client.get(store.TRAINING_APPLIED)) == {"version": 1, "step": 3, "microbatch_split": [6, 2]}
+    shown = store.read_job(client)
+    assert shown["plan"]["version"] == 2 and shown["applied"]["version"] == 1 and shown["ranks"] == {}
+
+
+def test_status_says_which_plan_is_in_force_and_since_when():
+    from greyhound.status_cli import render_text
+
+    plan = {"version": 1, "microbatch_split": [13, 3], "level": "S2", "why": "compute straggler(s) rank 5 at 3.00x"}
+    shown = {"job_id": "7", "control_plane": "tracking", "plan": plan}
+    assert "mitigation S2 (plan 1): micro-batches per DP replica 13,3, not applied yet; compute straggler(s)" \
+        in render_text(shown)
+    shown["applied"] = {"version": 1, "step": 68, "microbatch_split": [13, 3]}
+    assert "13,3, in force from step 68;" in render_text(shown)
+    assert "mitigation" not in render_text({"job_id": "7", "control_plane": "tracking", "plan": None})

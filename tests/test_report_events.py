@@ -323,6 +323,13 @@ def test_the_size_cap_starts_at_a_whole_line(tmp_path):
     ({"kind": "control_plane_failed", "why": "redis-server\x1b[31m did not start"},
      "control plane failed: redis-server [31m did not start"),
     ({"kind": "detected", "slowdown": "1.5", "ranks": "all"}, "detected: job slower"),
+    ({"kind": "mitigation", "level": "S2", "microbatch_split": [13, 3], "previous": [8, 8],
+      "expected_speedup": 2.35, "loss_s": 4.255, "cost_s": 0.251},
+     "mitigation S2: micro-batches per DP replica 8,8 -> 13,3, expected 2.35x faster (lost so far 4.25 s; "
+     "cost about 0.251 s)"),
+    ({"kind": "mitigation", "level": "S2", "microbatch_split": "13,3", "cost_s": 0.25},
+     "mitigation S2 (cost about 0.25 s)"),
+    ({"kind": "mitigation_ended", "microbatch_split": [8, 8]}, "mitigation ended: micro-batches back to 8,8"),
 ])
 def test_each_kind_is_said_in_one_line(event, summary):
     assert event_summary({"time": T0, **event}) == summary

@@ -13,6 +13,10 @@ has one writer: the module named beside it; everyone else only reads it.
 | ``suspects`` | string | master | JSON list of ``{"kind", "rank", "node", "comm", "why"}`` |
 | ``verdicts`` | list | master | JSON ``{"kind", "rank", "node", "nodes", "severity", "since", "measurements"}`` |
 | ``pauses`` | hash | master | ``count``, ``total_s``, ``last_s`` |
+| ``plan`` | string | planner | JSON ``{"version", "microbatch_split", "level", "why"}``: the mitigation plan the training processes are to apply |
+| ``mitigation:watch`` | string | planner | JSON ``{"version", "recovered_polls", "work"}``: the stragglers' work per iteration under the plan |
+| ``training:layout`` | string | training rank 0 | JSON ``{"microbatch_split", "replicas"}``: the job's own split and the ranks of each DP replica |
+| ``training:applied`` | string | training rank 0 | JSON ``{"version", "step", "microbatch_split"}``: the plan in force and the step it started at |
 """  # noqa: E501  (a Markdown table: its rows cannot wrap)
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ PLANE = "plane"
 SUSPECTS = "suspects"
 VERDICTS = "verdicts"
 PAUSES = "pauses"
+PLAN = "plan"
+MITIGATION_WATCH = "mitigation:watch"
+TRAINING_LAYOUT = "training:layout"
+TRAINING_APPLIED = "training:applied"
 
 
 def rank_key(rank: int) -> str:
@@ -103,6 +111,8 @@ def read_job(client) -> dict:
         "suspects": _decode(client.get(SUSPECTS) or "[]"),
         "verdicts": [_decode(v) for v in client.lrange(VERDICTS, 0, -1)],
         "pauses": {k: _decode(v) for k, v in client.hgetall(PAUSES).items()},
+        "plan": _decode(client.get(PLAN) or "null"),
+        "applied": _decode(client.get(TRAINING_APPLIED) or "null"),
     }
 
 

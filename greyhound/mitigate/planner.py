@@ -39,13 +39,13 @@ import numpy as np
 
 from greyhound.control.events import append_event
 from greyhound.mitigate.microbatch import makespan, split_microbatches
-from greyhound.mitigate.training import APPLIED_KEY, LAYOUT_KEY, PLAN_KEY
+from greyhound.control.store import MITIGATION_WATCH as WATCH_KEY
+from greyhound.control.store import PLAN as PLAN_KEY
+from greyhound.control.store import TRAINING_APPLIED as APPLIED_KEY
+from greyhound.control.store import TRAINING_LAYOUT as LAYOUT_KEY
 
 log = logging.getLogger(__name__)
 
-WATCH_KEY = "mitigation:watch"
-"""The planner's view of the plan in force (JSON ``{"version", "recovered_polls",
-"work"}``: each straggler's work per iteration, see :attr:`Planner.work`)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

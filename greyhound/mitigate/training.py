@@ -34,14 +34,12 @@ import logging
 import os
 from collections.abc import Sequence
 
+from greyhound.control.store import PLAN as PLAN_KEY
+from greyhound.control.store import TRAINING_APPLIED as APPLIED_KEY
+from greyhound.control.store import TRAINING_LAYOUT as LAYOUT_KEY
+
 log = logging.getLogger(__name__)
 
-PLAN_KEY = "plan"
-"""The master's plan (JSON ``{"version", "microbatch_split", "level", "why"}``)."""
-LAYOUT_KEY = "training:layout"
-"""Rank 0's description of the job (JSON ``{"microbatch_split", "replicas"}``)."""
-APPLIED_KEY = "training:applied"
-"""Rank 0's last applied plan (JSON ``{"version", "step", "microbatch_split"}``)."""
 ADDRESS_RETRY_STEPS = 10
 """Steps between tries to find the job's Redis (the control plane comes up alongside
 the first steps)."""
