@@ -186,3 +186,26 @@ def test_a_link_at_one_percent_outranks_a_gemm_it_slowed():
     results = [{"key": "compute:3", "rank": 3, "ratio": 3.0, "confirmed": True}]
     verdict = _verdict([rank3], results, _Episode(onset=53, slowdown=2.7, detected_s=0.0), {"slow_links": mild})
     assert (verdict["kind"], verdict["ranks"], verdict["also"][0]["kind"]) == ("compute", [3], "link")
+
+
+def test_a_failing_planner_costs_the_job_its_mitigation_not_its_detection(job):
+    run_dir, client = job
+
+    class Broken:
+        def on_verdict(self, verdict, ranks):
+            raise ValueError("layout has 3 replicas, the split 2")
+
+        def poll(self, ranks):
+            pass
+
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_polls=2), validate=False,
+                    planner=Broken())
+    publish(client, slow_ranks=range(8), late_rank=5)
+    for _ in range(3):
+        master.step()
+    events = read_events(run_dir)
+    assert [e["kind"] for e in events] == ["detected", "suspects", "verdict", "mitigation_skipped"]
+    assert "ValueError: layout has 3 replicas" in events[-1]["why"] and master.planner is None
+    publish(client)
+    master.step()
+    assert read_events(run_dir)[-1]["kind"] == "recovered"

@@ -92,8 +92,7 @@ class Master:
         """One decision round, after the agents have published this poll."""
         job = store.read_job(self.client)
         ranks = job["ranks"]
-        if self.planner is not None:
-            self.planner.poll(ranks)
+        self._plan("poll", ranks)
         slow = {r: s for r, s in ranks.items() if s.get("slow_since") not in (None, "")}
         job_slow = bool(ranks) and len(slow) >= self.config.slow_rank_fraction * len(ranks)
         ep = self.episode
@@ -161,6 +160,20 @@ class Master:
             "passes": link_passes(links), "poll_s": self.poll_s,
         }
 
+    def _plan(self, what: str, *args) -> None:
+        """Hands the planner a verdict or a poll. A planner that fails (a layout the
+        training side wrote wrong, say) costs the job its mitigation, never its
+        detection: the failure is an event and the master goes on."""
+        if self.planner is None:
+            return
+        try:
+            getattr(self.planner, what)(*args)
+        except Exception as exc:  # fail open
+            log.debug("planner failed", exc_info=True)
+            self.planner = None
+            self._event("mitigation_skipped", why=f"the planner failed ({type(exc).__name__}: {exc}); "
+                                                  "no more mitigation in this job")
+
     def heartbeat(self) -> None:
         """The master is alive (during a validation round, which lasts seconds); at
         most one write a second."""
@@ -191,11 +204,10 @@ class Master:
         ep.verdict = _verdict(ep.settled, results, ep, outcome)
         self.client.rpush(store.VERDICTS, store.dumps(ep.verdict))
         self._event("verdict", verdict=ep.verdict)
-        if self.planner is not None:
-            # The ranks as they stood before the round: the other nodes' agents publish
-            # again as soon as it ends, and their first figures after a pause count the
-            # time parked (a rank's work per iteration read 0.48 s instead of 0.12 s).
-            self.planner.on_verdict(ep.verdict, ep.ranks or store.read_job(self.client)["ranks"])
+        # The ranks as they stood before the round: the other nodes' agents publish
+        # again as soon as it ends, and their first figures after a pause count the
+        # time parked (a rank's work per iteration read 0.48 s instead of 0.12 s).
+        self._plan("on_verdict", ep.verdict, ep.ranks or store.read_job(self.client)["ranks"])
         self._set("tracking")
 
 
