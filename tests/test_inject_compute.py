@@ -295,15 +295,16 @@ def test_every_thread_moves_and_moves_back(env, home_cgroup, tmp_path):
         proc.wait()
 
 
-def _fake_rank(job: str, step: str, rank: int) -> subprocess.Popen:
+def _fake_rank(job: str, step: str, rank: int, **extra: str) -> subprocess.Popen:
     """A real process with a Slurm task's environment (no Slurm needed to find it)."""
-    env = dict(os.environ, SLURM_JOB_ID=job, SLURM_STEP_ID=step, SLURM_PROCID=str(rank))
+    env = dict(os.environ, SLURM_JOB_ID=job, SLURM_STEP_ID=step, SLURM_PROCID=str(rank), **extra)
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env)
 
 
 def test_rank_is_found_through_the_environment():
     job = str(900_000_000 + os.getpid())  # no real job has this id
-    procs = [_fake_rank(job, "0", 0), _fake_rank(job, "0", 1), _fake_rank(job, "1", 1)]
+    procs = [_fake_rank(job, "0", 0), _fake_rank(job, "0", 1), _fake_rank(job, "1", 1),
+             _fake_rank(job, "2", 0, GREYHOUND_CONTROL_PLANE="1")]    # the plane's rank 0: not the job's
     try:
         wait_until(lambda: all((targets.read_environ(p.pid) or {}).get("SLURM_JOB_ID") == job
                                for p in procs))

@@ -148,6 +148,10 @@ def resolve_rank(*, job: str, rank: int, step: str | None = None) -> tuple[str, 
     if not by_step:
         by_step = rank_pids_from_environ(job=job, rank=rank, step=step)
         source = "/proc environ"
+    # greyhound's own control plane runs as a step of the job, one rank per node: its
+    # ranks are not the job's (its tasks carry GREYHOUND_CONTROL_PLANE=1).
+    by_step = {s: pids for s, pids in by_step.items()
+               if not any((read_environ(pid) or {}).get("GREYHOUND_CONTROL_PLANE") == "1" for pid in pids)}
     where = f"job {job}" + (f" step {step}" if step is not None else "")
     if not by_step:
         raise InputError(f"{where}: no process of rank {rank} runs on this host "
