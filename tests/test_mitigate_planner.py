@@ -51,8 +51,9 @@ def _ranks(compute: dict[int, float], base: float = 0.05) -> dict:
                 "current_s": 0.5, "iterations": 80, "slow_since": 60} for r in range(8)}
 
 
-VERDICT = {"kind": "compute", "ranks": [5], "nodes": ["n3"], "validated": True, "slowness": 3.0,
+VERDICT = {"kind": "compute", "ranks": [5], "nodes": ["n3"], "validated": True, "slowness": 9.0,
            "strength": 8.0, "where": "rank 5 on n3"}
+"""Rank 5's own work rose 0.05 -> 0.15 s (3x); its GEMM 8x; profiling's relative 9x."""
 
 
 def test_a_validated_compute_straggler_gets_the_exact_split_and_the_job_its_own_back_when_it_recovers(job):
@@ -89,8 +90,13 @@ def test_unvalidated_or_link_verdicts_and_jobs_without_the_training_side_get_no_
     planner = Planner(client, run_dir)
     planner.on_verdict({**VERDICT, "validated": False}, _ranks({}))
     planner.on_verdict({"kind": "link", "ranks": [], "nodes": ["n3"], "validated": True}, _ranks({}))
+    # A GEMM slowed beside a slow link: S2 cannot help a link.
+    planner.on_verdict({"kind": "link", "ranks": [], "nodes": ["n3"], "validated": True,
+                        "also": [{**VERDICT, "strength": 2.2}]}, _ranks({5: 0.15}))
     assert client.get(store.PLAN) is None and read_events(run_dir) == []
-    planner.on_verdict(VERDICT, _ranks({}))           # no layout: the job does not take plans
+    planner.on_verdict(VERDICT, _ranks({}))           # its own work did not rise: nothing to move
+    assert client.get(store.PLAN) is None and read_events(run_dir) == []
+    planner.on_verdict(VERDICT, _ranks({5: 0.15}))    # no layout: the job does not take plans
     assert client.get(store.PLAN) is None
     assert [e["kind"] for e in read_events(run_dir)] == ["mitigation_skipped"]
 

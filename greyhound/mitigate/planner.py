@@ -55,10 +55,11 @@ class PlannerConfig:
     the plan has recovered (the figure varies by about 15% from poll to poll)."""
     end_polls: int = 6
     """Consecutive polls it must stay so before the job's own split returns."""
-    settle_polls: int = 24
+    settle_polls: int = 40
     """Polls after a plan is applied before its effect is judged: the new split changes
     the calls of an iteration, the trackers lock on again (16 iterations), and the
-    agents' recent figures cover 10 polls after that."""
+    agents' recent figures cover 10 polls after that (24 polls were too few once: the
+    straggler's figure still fell as its window filled, and read as a recovery)."""
 
     def __post_init__(self) -> None:
         if not self.end_drop > 1:
@@ -105,7 +106,7 @@ class Planner:
 
     def on_verdict(self, verdict: dict, ranks: dict) -> None:
         """A validated compute straggler (the verdict's lead or one beside it): S2."""
-        found = _compute_findings(verdict)
+        found = _compute_findings(verdict, ranks)
         if not verdict.get("validated") or not found:
             return
         layout = self._layout()
@@ -188,14 +189,32 @@ def slow_loss(ranks: dict) -> tuple[float | None, float | None]:
             round(float(np.median(steps)), 3) if steps else None)
 
 
-def _compute_findings(verdict: dict) -> dict[int, float]:
-    """rank -> slowness of each compute finding of a verdict (validated: its GEMM was
-    slow; how slow its training work is, is profiling's figure)."""
+def _compute_findings(verdict: dict, ranks: dict) -> dict[int, float]:
+    """rank -> slowness of each compute finding of a verdict led by a compute finding.
+
+    Validated means its GEMM was slow; how slow its training work is, is the rank's own
+    work per iteration now over before (profiling's rise, against the rank itself: the
+    rise over the median rank's read 30x once, when the others' work fell), at most its
+    GEMM's ratio. A compute finding beside a link lead is left alone: a link at 1% of
+    its bandwidth slows the GEMM of a rank whose transfers it holds (measured 1.9x and
+    2.2x), and S2 cannot help a link.
+    """
+    if verdict.get("kind") != "compute":
+        return {}
     out = {}
     for finding in [verdict, *verdict.get("also", [])]:
-        slowness = finding.get("slowness")
-        if finding.get("kind") == "compute" and len(finding.get("ranks", [])) == 1 and slowness and slowness > 1:
-            out[int(finding["ranks"][0])] = float(slowness)
+        if finding.get("kind") != "compute" or len(finding.get("ranks", [])) != 1:
+            continue
+        rank = int(finding["ranks"][0])
+        gemm = float(finding.get("strength") or 1.0)
+        state = ranks.get(rank, {})
+        try:
+            rise = float(state["compute_s"]) / float(state["compute_base_s"])
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            rise = float(finding.get("slowness") or 1.0)
+        slowness = min(rise, gemm)
+        if slowness > 1:
+            out[rank] = round(slowness, 3)
     return out
 
 
