@@ -85,6 +85,18 @@ def test_a_validated_compute_straggler_gets_the_exact_split_and_the_job_its_own_
     assert [e["kind"] for e in read_events(run_dir)] == ["mitigation", "mitigation_ended"]
 
 
+def test_a_straggler_without_a_figure_from_before_is_taken_at_the_jobs_slowdown(job):
+    # Profiling named it by its share of compute (no work figure before the onset):
+    # the job's slowdown, 3x, is its replica's pace (its GEMM said 8x).
+    run_dir, client = job
+    planner = Planner(client, run_dir)
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    ranks = _ranks({5: 0.15})
+    ranks[5]["compute_base_s"] = ""
+    planner.on_verdict({**VERDICT, "severity": 3.0}, ranks)
+    assert json.loads(client.get(store.PLAN))["microbatch_split"] == [12, 4]
+
+
 def test_unvalidated_or_link_verdicts_and_jobs_without_the_training_side_get_no_plan(job):
     run_dir, client = job
     planner = Planner(client, run_dir)

@@ -194,9 +194,9 @@ def _compute_findings(verdict: dict, ranks: dict) -> dict[int, float]:
 
     Validated means its GEMM was slow; how slow its training work is, is the rank's own
     work per iteration now over before (profiling's rise, against the rank itself: the
-    rise over the median rank's read 30x once, when the others' work fell), at most its
-    GEMM's ratio. A compute finding beside a link lead is left alone: a link at 1% of
-    its bandwidth slows the GEMM of a rank whose transfers it holds (measured 1.9x and
+    rise over the median rank's read 30x once, when the others' work fell), or the
+    job's slowdown where the rank has no figure from before, at most its GEMM's ratio.
+    A compute finding beside a link lead is left alone: a link at 1% of its bandwidth slows the GEMM of a rank whose transfers it holds (measured 1.9x and
     2.2x), and S2 cannot help a link.
     """
     if verdict.get("kind") != "compute":
@@ -211,7 +211,9 @@ def _compute_findings(verdict: dict, ranks: dict) -> dict[int, float]:
         try:
             rise = float(state["compute_s"]) / float(state["compute_base_s"])
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
-            rise = float(finding.get("slowness") or 1.0)
+            # No figure of its own from before (profiling named it by its share of
+            # compute): the job's own slowdown, the pace its replica sets.
+            rise = float(verdict.get("severity") or 1.0)
         slowness = min(rise, gemm)
         if slowness > 1:
             out[rank] = round(slowness, 3)
