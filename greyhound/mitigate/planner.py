@@ -196,8 +196,9 @@ def _compute_findings(verdict: dict, ranks: dict) -> dict[int, float]:
     work per iteration now over before (profiling's rise, against the rank itself: the
     rise over the median rank's read 30x once, when the others' work fell), or the
     job's slowdown where the rank has no figure from before, at most its GEMM's ratio.
-    A compute finding beside a link lead is left alone: a link at 1% of its bandwidth slows the GEMM of a rank whose transfers it holds (measured 1.9x and
-    2.2x), and S2 cannot help a link.
+    A compute finding beside a link lead is left alone: a link at 1% of its bandwidth
+    slows the GEMM of a rank whose transfers it holds (measured 1.9x and 2.2x), and S2
+    cannot help a link.
     """
     if verdict.get("kind") != "compute":
         return {}
