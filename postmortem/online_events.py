@@ -295,7 +295,8 @@ def _validated(e: dict) -> str:
         what = _measured(r, rank=True) or _str(r.get("key")) or "?"
         parts.append(what + (" confirmed" if r.get("confirmed") is True else " not confirmed"))
     slow = _measured(e.get("slow_links")) if not results else None
-    return "validated: " + ("; ".join(parts) if parts else slow or "nothing stood out")
+    nxt = _str(e.get("next"), 80)
+    return "validated: " + ("; ".join(parts) if parts else slow or "nothing stood out") + (f"; {nxt}" if nxt else "")
 
 
 def _verdict(e: dict) -> str:

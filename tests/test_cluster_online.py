@@ -32,13 +32,19 @@ def test_a_compute_fail_slow_is_detected_validated_named_and_its_end_seen(cluste
     assert job.wait(600) == "COMPLETED", job.text()
     record = json.loads(truth.read_text().splitlines()[-1])
     events = read_events(RUN_DIR_BASE / job.job_id)
+    # A detection before the injection is noise (scripts/bench_online counts those):
+    # validation must not name a culprit for it.
+    named = [e for e in events if e["kind"] == "verdict" and e["time"] < record["start"]
+             and e["verdict"]["kind"] != "unknown"]
+    assert not named, (record, events)
     by_kind: dict = {}
-    for e in events:                     # the first of each: the injected episode
-        by_kind.setdefault(e["kind"], e)
-    assert "detected" in by_kind and "verdict" in by_kind, events
+    for e in events:                     # the first of each from the onset: the injected episode
+        if e["time"] >= record["start"]:
+            by_kind.setdefault(e["kind"], e)
+    assert "detected" in by_kind and "verdict" in by_kind, (record, events)
     verdict = by_kind["verdict"]["verdict"]
-    assert (verdict["kind"], verdict["ranks"], verdict["nodes"]) == ("compute", [5], ["n3"]), verdict
-    assert verdict["validated"] is True, verdict
+    assert (verdict["kind"], verdict["ranks"], verdict["nodes"]) == ("compute", [5], ["n3"]), (record, events)
+    assert verdict["validated"] is True, (record, events)
     # GEMMs of a few ranks sized to 0.2 s (the throttled one slower), P2P of 1 MiB: seconds.
     assert 0 < by_kind["paused"]["seconds"] < 30, by_kind["paused"]
     # Steps the job finished between the onset and the detection (scripts/bench_online

@@ -132,10 +132,43 @@ def test_a_confirmed_suspect_is_the_validated_verdict(job):
     assert master.state == "tracking"
 
 
+def test_a_round_that_confirms_nothing_profiles_again_and_the_second_round_names_the_straggler(job):
+    # Profiling first caught a rank that waits on the straggler; its GEMM was healthy.
+    run_dir, client = job
+    master = _profiled(job)
+    master.take_request()
+    unconfirmed = {"paused": True, "pause_s": 1.0, "park_s": 0.3, "slow_links": [],
+                   "results": [{"key": "compute:5", "rank": 5, "ratio": 1.02, "confirmed": False}]}
+    master.complete_validation(unconfirmed)
+    assert master.state == "profiling" and master.episode.verdict is None
+    assert client.llen(store.VERDICTS) == 0
+    master.step()                                    # suspects again -> a second round
+    assert master.state == "validating" and master.take_request()["gemm_suspects"] == [5]
+    master.complete_validation({**unconfirmed, "results": [{"key": "compute:5", "rank": 5, "ratio": 3.0,
+                                                            "confirmed": True}]})
+    assert (master.episode.verdict["kind"], master.episode.verdict["ranks"]) == ("compute", [5])
+    kinds = [e["kind"] for e in read_events(run_dir)]
+    assert kinds == ["detected", "suspects", "paused", "validated", "suspects", "paused", "validated", "verdict"]
+    assert read_events(run_dir)[3]["next"] == "nothing confirmed: profiling again"
+    assert client.hget(store.PAUSES, "count") == "2"
+
+
+def test_after_the_last_round_confirms_nothing_the_verdict_is_unknown(job):
+    master = _profiled(job, validate=True)
+    unconfirmed = {"paused": True, "pause_s": 1.0, "park_s": 0.3, "slow_links": [],
+                   "results": [{"key": "compute:5", "rank": 5, "ratio": 1.02, "confirmed": False}]}
+    for _ in range(2):
+        master.take_request()
+        master.complete_validation(unconfirmed)
+        master.step()
+    assert master.episode.verdict["kind"] == "unknown" and master.state == "tracking"
+    assert master.episode.verdict["why"].endswith("validation did not confirm it")
+
+
 def test_a_slow_link_found_by_the_p2p_tests_names_its_node(job):
     master = _profiled(job)
     master.take_request()
-    slow = [{"link": "n3-n4", "node": "n4", "ratio": 0.05, "bandwidth_Bps": 2e7}]
+    slow = [{"link": "n3<->n4", "node": "n4", "ratio": 0.05, "bandwidth_Bps": 2e7}]
     master.complete_validation({"paused": True, "pause_s": 1.0, "park_s": 0.3, "slow_links": slow,
                                 "results": [{"key": "compute:5", "confirmed": False}]})
     assert master.episode.verdict["kind"] == "link" and master.episode.verdict["where"] == "n4"
@@ -155,8 +188,8 @@ def test_a_confirmed_link_suspect_is_narrowed_to_the_node_its_slow_links_share()
     from greyhound.control.profile import Suspect
 
     group = Suspect(kind="link", ranks=(2, 4), nodes=("n2", "n3"), comm="c1", score=1.4, why="slow group")
-    slow = [{"link": "n2-n3", "node": "n3", "ratio": 0.2, "bandwidth_Bps": 1e7},
-            {"link": "n3-n4", "node": "n3", "ratio": 0.2, "bandwidth_Bps": 1e7}]
+    slow = [{"link": "n2<->n3", "node": "n3", "ratio": 0.2, "bandwidth_Bps": 1e7},
+            {"link": "n3<->n4", "node": "n3", "ratio": 0.2, "bandwidth_Bps": 1e7}]
     results = [{"key": "link:n2,n3", "nodes": ["n2", "n3"], "slow_links": slow, "confirmed": True}]
     verdict = _verdict([group], results, _Episode(onset=30, slowdown=1.3, detected_s=0.0), {"slow_links": slow})
     assert (verdict["kind"], verdict["where"], verdict["nodes"], verdict["validated"]) == ("link", "n3", ["n3"], True)
@@ -174,8 +207,8 @@ def test_a_link_at_one_percent_outranks_a_gemm_it_slowed():
     from greyhound.control.profile import Suspect
 
     rank3 = Suspect(kind="compute", ranks=(3,), nodes=("n2",), comm=None, score=1.7, why="work rose")
-    slow = [{"link": "n2-n3", "node": "n3", "ratio": 0.012, "bandwidth_Bps": 2.4e6},
-            {"link": "n3-n4", "node": "n3", "ratio": 0.012, "bandwidth_Bps": 2.5e6}]
+    slow = [{"link": "n2<->n3", "node": "n3", "ratio": 0.012, "bandwidth_Bps": 2.4e6},
+            {"link": "n3<->n4", "node": "n3", "ratio": 0.012, "bandwidth_Bps": 2.5e6}]
     results = [{"key": "compute:3", "rank": 3, "ratio": 1.87, "confirmed": True}]
     verdict = _verdict([rank3], results, _Episode(onset=53, slowdown=2.7, detected_s=0.0), {"slow_links": slow})
     assert (verdict["kind"], verdict["where"], verdict["nodes"]) == ("link", "n3", ["n3"])

@@ -48,7 +48,7 @@ def test_a_slow_gemm_is_confirmed_and_a_normal_one_is_not():
 
 
 def test_a_link_suspect_is_confirmed_by_a_slow_link_on_its_node():
-    slow = [{"link": "n3-n4", "node": "n4"}]
+    slow = [{"link": "n3<->n4", "node": "n4"}]
     out = judge_links(slow, suspect_nodes=[("n4",), ("n1", "n2")])
     assert [(o["key"], o["confirmed"]) for o in out] == [("link:n4", True), ("link:n1,n2", False)]
 

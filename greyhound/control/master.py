@@ -2,6 +2,7 @@
 
     tracking --(ranks' trackers report a sustained slowdown)--> profiling
     profiling --(suspects stable for a few polls)--> validating --> verdict, tracking
+    validating --(no suspect confirmed, a round left)--> profiling
     profiling/validating --(the slowdown ended meanwhile)--> tracking ("back_to_tracking")
     a verdict's slowdown ends --> "recovered"
 
@@ -29,6 +30,7 @@ import numpy as np
 from greyhound.control import store
 from greyhound.control.events import append_event
 from greyhound.control.links import job_links, link_passes
+from greyhound.control.p2p import link_ends
 from greyhound.control.profile import Suspect, find_suspects
 from greyhound.control.validate import reference_ranks
 
@@ -42,12 +44,18 @@ class MasterConfig:
     (a synchronous job slows on every rank; one rank alone is that rank's noise)."""
     profile_polls: int = 3
     """Polls of profiling evidence before suspects are settled."""
+    validation_rounds: int = 2
+    """Validation rounds an episode may take: when one confirms none of the suspects
+    (profiling caught a rank that waits on the straggler, not the straggler), profiling
+    starts over once more before the verdict says "unknown"."""
 
     def __post_init__(self) -> None:
         if not 0 < self.slow_rank_fraction <= 1:
             raise ValueError(f"slow_rank_fraction={self.slow_rank_fraction} must be in (0, 1]")
         if self.profile_polls < 1:
             raise ValueError(f"profile_polls={self.profile_polls} must be >= 1")
+        if self.validation_rounds < 1:
+            raise ValueError(f"validation_rounds={self.validation_rounds} must be >= 1")
 
 
 @dataclasses.dataclass
@@ -59,6 +67,8 @@ class _Episode:
     settled: list = dataclasses.field(default_factory=list)
     suspects: dict = dataclasses.field(default_factory=dict)
     polls: int = 0
+    rounds: int = 0
+    """Validation rounds taken."""
     verdict: dict | None = None
     ranks: dict = dataclasses.field(default_factory=dict)
     """The ranks' published state when validation was asked for."""
@@ -193,15 +203,25 @@ class Master:
         if ep is None:
             return
         results = None
+        ep.rounds += 1
+        if outcome is not None and outcome.get("paused"):
+            self.client.hincrby(store.PAUSES, "count", 1)
+            self.client.hincrbyfloat(store.PAUSES, "total_s", outcome["pause_s"])
+            self.client.hset(store.PAUSES, "last_s", outcome["pause_s"])
+            self._event("paused", seconds=outcome["pause_s"], park_s=outcome["park_s"])
+            results = outcome["results"]
+        verdict = _verdict(ep.settled, results, ep, outcome)
+        again = results is not None and verdict["kind"] == "unknown" and ep.rounds < self.config.validation_rounds
         if outcome is not None:
-            if outcome.get("paused"):
-                self.client.hincrby(store.PAUSES, "count", 1)
-                self.client.hincrbyfloat(store.PAUSES, "total_s", outcome["pause_s"])
-                self.client.hset(store.PAUSES, "last_s", outcome["pause_s"])
-                self._event("paused", seconds=outcome["pause_s"], park_s=outcome["park_s"])
-                results = outcome["results"]
-            self._event("validated", **{k: v for k, v in outcome.items() if k != "results"}, results=results)
-        ep.verdict = _verdict(ep.settled, results, ep, outcome)
+            self._event("validated", **{k: v for k, v in outcome.items() if k != "results"}, results=results,
+                        **({"next": "nothing confirmed: profiling again"} if again else {}))
+        if again:
+            ep.votes.clear()
+            ep.suspects.clear()
+            ep.settled, ep.polls = [], 0
+            self._set("profiling")
+            return
+        ep.verdict = verdict
         self.client.rpush(store.VERDICTS, store.dumps(ep.verdict))
         self._event("verdict", verdict=ep.verdict)
         # The ranks as they stood before the round: the other nodes' agents publish
@@ -268,7 +288,7 @@ def _findings(suspects: list[Suspect], results: list[dict], slow_links: list[dic
     if alone:
         top, node = alone[0], alone[0]["node"]
         out.append({"kind": "link", "where": node or top["link"], "ranks": [],
-                    "nodes": [node] if node else top["link"].split("-"),
+                    "nodes": [node] if node else list(link_ends(top["link"])),
                     "why": f"P2P: {top['link']} at {top['ratio']:.0%} of the median bandwidth",
                     "measured": alone, "strength": round(1 / max(top["ratio"], 1e-6), 3)})
     return out

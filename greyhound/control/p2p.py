@@ -15,6 +15,23 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from greyhound.control import mpi_wait
+
+LINK_SEPARATOR = "<->"
+"""Between a link's two node names ("n3<->n4"): node names carry hyphens
+("gpu-a100-01"), never "<" or ">"."""
+
+
+def link_name(a: str, b: str) -> str:
+    return f"{a}{LINK_SEPARATOR}{b}"
+
+
+def link_ends(name: str) -> tuple[str, str]:
+    """The two nodes of a link named by :func:`link_name`."""
+    a, b = name.split(LINK_SEPARATOR)
+    return a, b
+
+
 SLOW_FRACTION = 0.3
 """A link below 30% of the median bandwidth of the job's links is slow (loopback links of
 emulated nodes on a busy 2-core machine measured down to 42% with nothing wrong; a link
@@ -23,7 +40,7 @@ narrowed to 20 Mbit/s measures about 1%)."""
 
 def measure_passes(comm, node: str, passes: Sequence[Sequence[tuple[str, str]]], *,
                    nodes: Sequence[str], nbytes: int = 1 << 20, repeats: int = 3) -> dict[str, float]:
-    """Bandwidth (bytes/s) of each link this agent took part in, keyed "a-b".
+    """Bandwidth (bytes/s) of each link this agent took part in, keyed by :func:`link_name`.
 
     Args:
         comm: the control plane's MPI communicator (rank i runs on nodes[i]).
@@ -47,8 +64,8 @@ def measure_passes(comm, node: str, passes: Sequence[Sequence[tuple[str, str]]],
                 t0 = time.perf_counter()
                 comm.Sendrecv(send, dest=peer, sendtag=7, recvbuf=recv, source=peer, recvtag=7)
                 seconds.append(time.perf_counter() - t0)
-            out[f"{a}-{b}"] = nbytes / min(seconds)
-        comm.Barrier()
+            out[link_name(a, b)] = nbytes / min(seconds)
+        mpi_wait.barrier(comm)     # the agents of the other links sleep meanwhile
     return out
 
 
@@ -61,11 +78,11 @@ def slow_links(bandwidth: dict[str, float], *, fraction: float = SLOW_FRACTION) 
     slow = sorted((bw, link) for link, bw in bandwidth.items() if bw < fraction * median)
     counts: dict[str, int] = {}
     for _, link in slow:
-        for n in link.split("-"):
+        for n in link_ends(link):
             counts[n] = counts.get(n, 0) + 1
     out = []
     for bw, link in slow:
-        a, b = link.split("-")
+        a, b = link_ends(link)
         common = a if counts[a] > counts[b] else b if counts[b] > counts[a] else None
         out.append({"link": link, "bandwidth_Bps": bw, "ratio": bw / median, "node": common})
     return out

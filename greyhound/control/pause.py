@@ -11,7 +11,8 @@ the master's request, broadcast from rank 0):
 3. GEMMs run one rank at a time in the parked ranks' own processes: a probe on the
    reference ranks sizes the test to about 0.2 s, then suspects and references run it
    (twice each, the faster counts, unless the first run was already 4x the fastest);
-4. P2P tests run along the job's links, pass by pass (twice when a link looks slow);
+4. P2P tests run along the job's links, pass by pass (the links that look slow once
+   more, one at a time);
 5. every rank resumes; rank 0 returns the measurements and judgements.
 
 Whatever fails, every gate this agent set is cleared before it returns.
@@ -23,7 +24,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from greyhound.control import p2p, validate
+from greyhound.control import mpi_wait, p2p, validate
 from greyhound.ring import BENCH_OK, BENCH_PROBE_N, bench_n_for
 
 if TYPE_CHECKING:
@@ -120,21 +121,25 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat) -
 
 def link_bandwidth(comm, node: str, passes: list, *, nodes: list[str],
                    measure=p2p.measure_passes, beat=lambda: None) -> dict[str, float]:
-    """Every link's bandwidth, everywhere. When a link looks slow, all are measured
-    once more and each keeps its better figure: a fail-slow link is slow both times,
-    while a burst of other work on a shared node (or loopback) slows one round."""
+    """Every link's bandwidth, everywhere. The links that look slow are measured once
+    more, one at a time, and each keeps its better figure: a fail-slow link is slow
+    both times, while a burst of other work on a shared node (or the other pair of a
+    pass competing for the same cores) slows one round."""
     bandwidth: dict[str, float] = {}
-    for _ in range(P2P_ROUNDS):
-        for part in comm.allgather(measure(comm, node, passes, nodes=nodes)):
+    for round_ in range(P2P_ROUNDS):
+        for part in mpi_wait.allgather(comm, measure(comm, node, passes, nodes=nodes), beat=beat):
             for link, bw in part.items():
                 bandwidth[link] = max(bw, bandwidth.get(link, 0.0))
         beat()
-        if not p2p.slow_links(bandwidth):   # the same figures on every rank: the same answer
+        # The same figures on every rank: the same answer, the same passes.
+        slow = [p2p.link_ends(s["link"]) for s in p2p.slow_links(bandwidth)]
+        if not slow or round_ + 1 == P2P_ROUNDS:
             break
+        passes = [[link] for link in slow]
     return bandwidth
 
 
-def _bench_on(comm, local: dict, rank: int, n: int) -> float | None:
+def _bench_on(comm, local: dict, rank: int, n: int, beat) -> float | None:
     """The GEMM of size n in rank's process (the agent that has it runs it), everywhere."""
     t = None
     if rank in local:
@@ -144,7 +149,7 @@ def _bench_on(comm, local: dict, rank: int, n: int) -> float | None:
         while (detail := reader.bench_detail(epoch)) is None and time.monotonic() < deadline:
             time.sleep(0.002)
         t = detail.wall_s if detail is not None and detail.status == BENCH_OK else None
-    found = [x for x in comm.allgather(t) if x is not None]
+    found = [x for x in mpi_wait.allgather(comm, t, beat=beat) if x is not None]
     return found[0] if found else None
 
 
@@ -154,7 +159,7 @@ def _gemm(comm, local: dict, request: dict, beat) -> dict:
         return {"n": None, "times_s": {}}
     # The fastest of a few probes per reference: one 256 probe takes milliseconds and
     # varies by a third on a shared machine.
-    probes = [p for p in (_bench_on(comm, local, r, BENCH_PROBE_N) for r in refs for _ in range(PROBES))
+    probes = [p for p in (_bench_on(comm, local, r, BENCH_PROBE_N, beat) for r in refs for _ in range(PROBES))
               if p]
     n = bench_n_for(min(probes)) if probes else BENCH_PROBE_N
     # Each rank's fastest of GEMM_ROUNDS runs, the rounds interleaved: a throttled rank
@@ -165,8 +170,7 @@ def _gemm(comm, local: dict, request: dict, beat) -> dict:
     ranks = [*suspects, *refs]
     for _ in range(GEMM_ROUNDS):
         for r in ranks:
-            t = _bench_on(comm, local, r, n)
-            beat()
+            t = _bench_on(comm, local, r, n, beat)
             if t is not None:
                 times[r] = min(t, times.get(r, t))
         fastest = min(times.values(), default=0.0)

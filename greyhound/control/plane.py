@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from greyhound.control import store
+from greyhound.control import mpi_wait, store
 from greyhound.control.agent import AgentConfig, NodeAgent
 from greyhound.control.events import append_event
 from greyhound.control.master import Master, MasterConfig
@@ -144,17 +144,8 @@ def _bcast_flag(comm, flag: bool, stop: _Stop, beat) -> bool:
 
 
 def _wait(request, stop: _Stop, beat) -> bool:
-    """Waits for a non-blocking MPI request, testing it ever less often (1 ms, 2 ms, ...,
-    50 ms): each test drives Open MPI's TCP transport, and testing every 2 ms kept each
-    waiting plane rank at a tenth of a core. False when a stop request interrupts it."""
-    nap = 0.001
-    while not request.Test():
-        if stop.requested:
-            return False
-        beat()
-        time.sleep(nap)
-        nap = min(2 * nap, 0.05)
-    return True
+    """Waits for a non-blocking MPI request; False when a stop request interrupts it."""
+    return mpi_wait.wait(request, beat=beat, stopped=lambda: stop.requested)
 
 
 def _mark(client, run_dir: Path, state: str, **fields) -> None:

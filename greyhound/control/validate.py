@@ -28,6 +28,8 @@ import dataclasses
 import math
 import numpy as np
 
+from greyhound.control.p2p import link_ends
+
 GEMM_SLOW_RATIO = 1.3
 
 
@@ -115,7 +117,7 @@ def judge_links(slow: list[dict], *, suspect_nodes: list[tuple[str, ...]]) -> li
     """Per link suspect (its nodes): confirmed when a slow link touches them."""
     out = []
     for nodes in suspect_nodes:
-        hits = [s for s in slow if set(s["link"].split("-")) & set(nodes)]
+        hits = [s for s in slow if set(link_ends(s["link"])) & set(nodes)]
         out.append({"key": f"link:{','.join(nodes)}", "nodes": list(nodes), "slow_links": hits,
                     "confirmed": bool(hits)})
     return out
