@@ -86,6 +86,8 @@ class SlurmClient(Protocol):
 
     def listpids(self, job_step: str) -> str: ...
 
+    def requeue_excluding(self, job_id: str, nodes: list[str]) -> None: ...
+
 
 def check_job_id(job_id: str | int) -> str:
     """Returns job_id as a string, or raises InputError if it is not a Slurm job id."""
@@ -218,6 +220,35 @@ class CommandLineClient:
     def listpids(self, job_step: str) -> str:
         """Raw `scontrol listpids JOB[.STEP]` output: this host's processes of the job."""
         return _run(["scontrol", "listpids", job_step], what=f"job {job_step}")
+
+    def requeue_excluding(self, job_id: str, nodes: list[str]) -> None:
+        """Puts a running batch job back in the queue, barred from ``nodes`` (greyhound's
+        S4), with what the job's own user may do: ``requeuehold`` (the job goes pending
+        and held; Slurm signals its steps, the caller's included, and kills them after
+        KillWait), then ExcNodeList (Slurm changes it on a pending job only: the hold
+        makes it one at once), then ``release``. The release is tried whatever failed
+        before it: a job left held never runs again. Slurm then holds the job back
+        for about two minutes (its begin time, set when its steps have ended: a caller
+        inside the job cannot lift it).
+
+        Raises:
+            InputError: a node name that is not one.
+            SlurmError: a step failed (the message says which; the job is released).
+        """
+        job_id = check_job_id(job_id)
+        bad = [n for n in nodes if not re.fullmatch(r"[A-Za-z0-9._-]+", n)]
+        if bad or not nodes:
+            raise InputError(f"cannot exclude {bad or 'no node'}: node names are letters, digits, '.', '_', '-'")
+        shown = _run(["scontrol", "show", "job", "-o", job_id], what=f"job {job_id}")
+        match = re.search(r"\bExcNodeList=(\S+)", shown)
+        excluded = self.hostnames(match.group(1)) if match and match.group(1) != "(null)" else []
+        excluded += [n for n in nodes if n not in excluded]
+        _run(["scontrol", "requeuehold", job_id], what=f"job {job_id}")
+        try:
+            _run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(excluded)}"],
+                 what=f"job {job_id}")
+        finally:
+            _run(["scontrol", "release", job_id], what=f"job {job_id}")
 
     def hostnames(self, node_list: str) -> list[str]:
         if not node_list or node_list in ("None assigned", "(null)"):

@@ -71,6 +71,19 @@ def cluster() -> None:
     require(reason)
 
 
+def ensure_user(name: str):
+    """The unprivileged local user ``name`` (created if missing): the attacker, the
+    victim or the plain user of a test; its pwd entry."""
+    import pwd
+
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/bin/bash", name],
+                       check=True, capture_output=True)
+        return pwd.getpwnam(name)
+
+
 class SlurmJob:
     """A job submitted with real sbatch, waited for with real squeue/sacct."""
 

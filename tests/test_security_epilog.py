@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SlurmJob, comment_of
+from conftest import REPO, SlurmJob, comment_of, ensure_user
 
 pytestmark = pytest.mark.cluster
 
@@ -32,20 +32,11 @@ VICTIM = "gh-victim"
 REPORT_FILES = ("postmortem.json", "report.html", "heatmap.png", "step_slowdown.png", "timeline.trace.json")
 
 
-def _ensure_user(name: str) -> pwd.struct_passwd:
-    try:
-        return pwd.getpwnam(name)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/bin/bash", name],
-                       check=True, capture_output=True)
-        return pwd.getpwnam(name)
-
-
 @pytest.fixture(scope="module")
 def users(cluster):
     if shutil.which("useradd") is None:
         pytest.skip("useradd is missing: the attack tests need a second, unprivileged user")
-    return _ensure_user(ATTACKER), _ensure_user(VICTIM)
+    return ensure_user(ATTACKER), ensure_user(VICTIM)
 
 
 @pytest.fixture(scope="module")

@@ -45,19 +45,22 @@ def _local(agent) -> dict[int, _Process]:
     return {proc.reader.info.rank: proc for proc in agent.processes.values() if proc.reader.info.rank >= 0}
 
 
-def validation_round(comm, agent, request: dict, *, nodes: list[str], beat=lambda: None) -> dict | None:
+def validation_round(comm, agent, request: dict, *, nodes: list[str], beat=lambda: None,
+                     stopped=lambda: False) -> dict | None:
     """Runs the round; the result on rank 0 (None elsewhere). ``beat`` is called
     between its phases and while it waits (the master's heartbeat: a round lasts
-    seconds, and `greyhound status` takes a master silent that long as gone)."""
+    seconds, and `greyhound status` takes a master silent that long as gone).
+    ``stopped()`` says the job is ending: the wait for the ranks to park ends then
+    (they have ended or are about to; Slurm kills what is left after its KillWait)."""
     local = _local(agent)
     try:
-        return _round(comm, agent, local, request, nodes=nodes, beat=beat)
+        return _round(comm, agent, local, request, nodes=nodes, beat=beat, stopped=stopped)
     finally:
         for proc in local.values():
             proc.reader.resume()
 
 
-def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat) -> dict | None:
+def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat, stopped) -> dict | None:
     root = comm.rank == 0
     here = {rank: agent.clock(proc) for rank, proc in local.items()}
     clocks = [c for cs in comm.allgather([c for c in here.values() if c is not None]) for c in cs]
@@ -92,7 +95,7 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat) -
         # one, out of step with the others, and the round must not count it.
         mine = all(proc.reader.parked_at_call == targets[rank] for rank, proc in local.items())
         everyone = comm.allreduce(mine, op=_land())
-        late = comm.allreduce(time.time() > plan["deadline_s"], op=_lor())
+        late = comm.allreduce(time.time() > plan["deadline_s"] or stopped(), op=_lor())
         if everyone or late:
             break
         beat()

@@ -105,7 +105,8 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
                 master.step()
                 request = master.take_request()
             if _bcast_flag(comm, request is not None, stop, beat):
-                outcome = validation_round(comm, agent, comm.bcast(request, root=0), nodes=nodes, beat=beat)
+                outcome = validation_round(comm, agent, comm.bcast(request, root=0), nodes=nodes, beat=beat,
+                                           stopped=lambda: stop.requested)
                 if master is not None:
                     master.complete_validation(outcome)
             time.sleep(max(0.0, config.agent.poll_s - (time.monotonic() - t0)))
