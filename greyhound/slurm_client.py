@@ -88,6 +88,8 @@ class SlurmClient(Protocol):
 
     def requeue_excluding(self, job_id: str, nodes: list[str]) -> None: ...
 
+    def schedulable_nodes(self, partition: str) -> list[str]: ...
+
 
 def check_job_id(job_id: str | int) -> str:
     """Returns job_id as a string, or raises InputError if it is not a Slurm job id."""
@@ -249,6 +251,20 @@ class CommandLineClient:
                  what=f"job {job_id}")
         finally:
             _run(["scontrol", "release", job_id], what=f"job {job_id}")
+
+    def schedulable_nodes(self, partition: str) -> list[str]:
+        """The partition's nodes a job can be given now or later: up and responding,
+        not drained, down, failed or in maintenance."""
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", partition):
+            raise InputError(f"{partition!r} is not a partition name")
+        out = _run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %t"], what=f"partition {partition}")
+        usable = ("idle", "alloc", "mix", "comp", "plnd")
+        nodes = []
+        for line in out.splitlines():
+            node, _, state = line.partition(" ")
+            if state.strip() in usable and node not in nodes:    # "idle*": not responding
+                nodes.append(node)
+        return nodes
 
     def hostnames(self, node_list: str) -> list[str]:
         if not node_list or node_list in ("None assigned", "(null)"):

@@ -347,12 +347,22 @@ def _mitigation(e: dict) -> str:
     level = _str(e.get("level"), 8) or "?"
     split, previous = _split(e.get("microbatch_split")), _split(e.get("previous"))
     speedup, loss, cost = _x(e.get("expected_speedup")), _num(e.get("loss_s")), _num(e.get("cost_s"))
+    action = _str(e.get("action"), 120)
     return _join(f"mitigation {level}",
                  f": micro-batches per DP replica {previous or '?'} -> {split}" if split else None,
+                 f": {action}" if action and not split else None,
                  f", expected {speedup} faster" if speedup else None,
                  f" (lost so far {loss:.3g} s" if loss is not None else None,
                  (f"; cost about {cost:.3g} s)" if loss is not None else f" (cost about {cost:.3g} s)")
                  if cost is not None else (")" if loss is not None else None))
+
+
+def _requeued(e: dict) -> str:
+    nodes = e.get("nodes")
+    where = ",".join(_str(n, 40) or "?" for n in nodes[:8]) if isinstance(nodes, list) else "?"
+    step, why = _str(e.get("step"), 12), _str(e.get("why"), 120)
+    return _join(f"requeued without {where}", f" after step {step} (checkpoint)" if step else None,
+                 f": {why}" if why else None)
 
 
 def _mitigation_ended(e: dict) -> str:
@@ -370,7 +380,7 @@ _SUMMARIES = {
     "verdict": _verdict, "recovered": _recovered, "back_to_tracking": _back,
     "control_plane_started": _started, "control_plane_failed": _failed,
     "control_plane_stopped": lambda e: "control plane stopped", "resumed": lambda e: "resumed",
-    "mitigation": _mitigation, "mitigation_ended": _mitigation_ended,
+    "mitigation": _mitigation, "mitigation_ended": _mitigation_ended, "requeued": _requeued,
     "mitigation_skipped": lambda e: "mitigation skipped" + (f": {why}" if (why := _str(e.get("why"), 160)) else ""),
 }
 

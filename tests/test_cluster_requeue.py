@@ -4,6 +4,7 @@ it again elsewhere."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import tempfile
@@ -75,3 +76,98 @@ def test_a_bad_node_name_is_refused_before_anything_changes(cluster):
 
     with pytest.raises(InputError, match="node names are"):
         CommandLineClient().requeue_excluding("1", ["n1;reboot"])
+
+
+def _planner(tmp_path, job: dict, **config):
+    from greyhound.control import store
+    from greyhound.control.redis_server import start_redis
+    from greyhound.mitigate.planner import Planner, PlannerConfig
+    from greyhound.slurm_client import CommandLineClient
+
+    proc, address = start_redis(tmp_path, host="127.0.0.1")
+    client = address.client()
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [4, 4], "replicas": [[0], [1]]}))
+    planner = Planner(client, tmp_path, config=PlannerConfig(**config), job=job, slurm=CommandLineClient())
+    return proc, client, planner
+
+
+SLOW = {r: {"baseline_s": 0.2, "current_s": 0.8, "iterations": 100, "slow_since": 50} for r in range(2)}
+"""50 slow iterations, 0.6 s lost each: 30 s lost so far."""
+
+
+def _link_verdict(node: str) -> dict:
+    return {"kind": "link", "where": node, "nodes": [node], "ranks": [], "validated": True}
+
+
+def test_s4_checkpoints_then_requeues_the_job_without_the_slow_node_once_the_loss_reaches_the_cost(cluster, tmp_path):
+    from greyhound.control import store
+    from greyhound.control.events import read_events
+    from greyhound.control.redis_server import stop_redis
+
+    script = tmp_path / "job.sh"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.txt"
+    job_id = subprocess.run(["sbatch", "--parsable", f"--output={out}", str(script)], capture_output=True,
+                            text=True, check=True, cwd=tmp_path, timeout=60).stdout.strip()
+    proc = None
+    try:
+        first = _until(lambda: _runs(out), 60)
+        assert first, "the job did not start"
+        bad = first[0][1][1]
+        partition = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%P"], capture_output=True, text=True,
+                                   check=True).stdout.strip()
+        # A 29 s restart (start-up 0 here, no hold, a 0.2 s step) against 30 s lost: go.
+        proc, client, planner = _planner(tmp_path, {"id": job_id, "partition": partition, "num_nodes": 2},
+                                         requeue_hold_s=29.0)
+        planner.on_verdict(_link_verdict(bad), SLOW)
+        planner.poll({**SLOW, 0: {**SLOW[0], "iterations": 60}})     # 20 s lost < 29 s: not yet
+        assert client.get(store.PLAN) is None
+        planner.poll(SLOW)
+        plan = json.loads(client.get(store.PLAN))
+        assert plan["checkpoint"] is True and plan["microbatch_split"] == [4, 4] and plan["level"] == "S4"
+        planner.poll(SLOW)                                           # no checkpoint yet: waits
+        assert [e["kind"] for e in read_events(tmp_path)] == ["mitigation"]
+        client.set(store.TRAINING_CHECKPOINTED, json.dumps({"version": plan["version"], "step": 100}))
+        planner.poll(SLOW)
+        events = read_events(tmp_path)
+        assert [e["kind"] for e in events] == ["mitigation", "requeued"], events
+        assert events[1]["nodes"] == [bad] and events[1]["step"] == 100
+        shown = _until(lambda: (s := subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                                                    text=True).stdout) and "Restarts=1" in s and s, 30)
+        assert shown and f"ExcNodeList={bad}" in shown, shown
+        assert f"Comment=greyhound S4: requeued without {bad} after step 100" in shown, shown
+    finally:
+        subprocess.run(["scancel", job_id], check=False)
+        if proc is not None:
+            stop_redis(proc)
+
+
+def test_s4_is_refused_with_its_reason_when_too_few_nodes_would_be_left_or_it_is_turned_off(cluster, tmp_path):
+    from greyhound.control import store
+    from greyhound.control.events import read_events
+    from greyhound.control.redis_server import stop_redis
+
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %P"], capture_output=True, text=True,
+                           check=True).stdout.split()
+    partition = nodes[1].rstrip("*")
+    count = len(set(nodes[0::2]))
+    proc, client, planner = _planner(tmp_path, {"id": "999999", "partition": partition, "num_nodes": count},
+                                     requeue_hold_s=0.0)
+    try:
+        planner.on_verdict(_link_verdict("n2"), SLOW)
+        planner.poll(SLOW)
+        skipped = read_events(tmp_path)
+        assert [e["kind"] for e in skipped] == ["mitigation_skipped"] and client.get(store.PLAN) is None
+        assert skipped[0]["why"] == (f"partition {partition} would keep {count - 1} usable node(s) without n2; "
+                                     f"the job needs {count}"), skipped
+    finally:
+        stop_redis(proc)
+    (tmp_path / "off").mkdir()
+    proc, client, planner = _planner(tmp_path / "off", {"id": "999999", "partition": partition, "num_nodes": 1},
+                                     requeue_hold_s=0.0, requeue=False)
+    try:
+        planner.on_verdict(_link_verdict("n2"), SLOW)
+        planner.poll(SLOW)
+        assert [e["why"] for e in read_events(tmp_path / "off")] == ["S4 (requeue) is turned off for this job"]
+    finally:
+        stop_redis(proc)

@@ -142,7 +142,12 @@ def _train(rank: int, port: int, run_dir: str, steps: int, out) -> None:
             client.set(store.PLAN, json.dumps({"version": 1, "microbatch_split": [6, 2]}))
         if rank == 0 and step == 6:     # malformed: the plan in force stays
             client.set(store.PLAN, json.dumps({"version": 2, "microbatch_split": [7, 7]}))
-        splits.append(m.step(step).microbatch_split)
+        if rank == 0 and step == 8:     # S4: a checkpoint, once
+            client.set(store.PLAN, json.dumps({"version": 3, "microbatch_split": [6, 2], "checkpoint": True}))
+        plan = m.step(step)
+        splits.append((*plan.microbatch_split, plan.checkpoint))
+        if plan.checkpoint:
+            m.checkpointed(step)
         dist.barrier()                  # rank 1 may run ahead of rank 0's writes otherwise
     out.put((rank, splits))
     dist.destroy_process_group()
@@ -155,7 +160,7 @@ def test_every_rank_switches_to_a_plan_at_the_same_step_and_a_bad_plan_changes_n
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_train, args=(r, port, str(run_dir), 9, out)) for r in range(2)]
+    procs = [ctx.Process(target=_train, args=(r, port, str(run_dir), 11, out)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict(out.get(timeout=120) for _ in procs)
@@ -163,13 +168,15 @@ def test_every_rank_switches_to_a_plan_at_the_same_step_and_a_bad_plan_changes_n
         p.join(60)
     assert [p.exitcode for p in procs] == [0, 0]
     # Rank 0 finds the board at step 0 and reads each step; the plan set before step 3's
-    # read holds from step 3 on, on both ranks; the bad one (sum 14, not 8) is ignored.
-    want = [(4, 4)] * 3 + [(6, 2)] * 6
+    # read holds from step 3 on, on both ranks; the bad one (sum 14, not 8) is ignored;
+    # S4's checkpoint is due at step 8 alone, on both ranks.
+    want = [(4, 4, False)] * 3 + [(6, 2, False)] * 5 + [(6, 2, True)] + [(6, 2, False)] * 2
     assert got[0] == got[1] == want
     assert json.loads(client.get(store.TRAINING_LAYOUT)) == {"microbatch_split": [4, 4], "replicas": [[0], [1]]}
-    assert json.loads(client.get(store.TRAINING_APPLIED)) == {"version": 1, "step": 3, "microbatch_split": [6, 2]}
+    assert json.loads(client.get(store.TRAINING_APPLIED)) == {"version": 3, "step": 8, "microbatch_split": [6, 2]}
+    assert json.loads(client.get(store.TRAINING_CHECKPOINTED)) == {"version": 3, "step": 8}
     shown = store.read_job(client)
-    assert shown["plan"]["version"] == 2 and shown["applied"]["version"] == 1 and shown["ranks"] == {}
+    assert shown["plan"]["version"] == 3 and shown["applied"]["version"] == 3 and shown["ranks"] == {}
 
 
 def test_status_says_which_plan_is_in_force_and_since_when():

@@ -218,6 +218,12 @@ def _merge_trace(cfg: TrainConfig, penv: ProcessEnv) -> None:
         log.warning("timeline trace not merged: %s", exc)
 
 
+def _save(cfg: TrainConfig, stage: _Stage, rank: int, *, done: int) -> None:
+    """Collective: the checkpoint of the state after ``done`` completed steps."""
+    checkpoint.save(cfg.checkpoint_dir, step=done, pp_rank=stage.pp_rank, dp_rank=stage.dp_rank,
+                    rank=rank, module=stage.ctx.module, optimizer=stage.optimizer, layers=stage.layers)
+
+
 def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, device) -> list[dict]:
     rank = penv.rank
     stage = _build_stage(cfg, model_cfg, rank, layout, layers_of, device)
@@ -240,7 +246,14 @@ def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, devi
                 log.warning("--crash-at-step %d: killing rank 0", step)
                 os.kill(os.getpid(), signal.SIGKILL)
             t0 = time.perf_counter()
-            split = mitigation.step(step).microbatch_split
+            plan = mitigation.step(step)
+            if plan.checkpoint:          # S4: greyhound requeues the job once this is saved
+                if cfg.checkpoint_dir:
+                    _save(cfg, stage, rank, done=step)
+                    mitigation.checkpointed(step)
+                else:
+                    mitigation.checkpointed(None, why="the job has no --checkpoint directory")
+            split = plan.microbatch_split
             total_tokens = _train_step(stage, data, step, split, recorder, dp=cfg.dp)
             step_time = time.perf_counter() - t0
             if rank == metrics_rank:
@@ -254,9 +267,7 @@ def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, devi
             done = step + 1
             if cfg.checkpoint_dir and ((cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
                                        or done == cfg.steps):
-                checkpoint.save(cfg.checkpoint_dir, step=done, pp_rank=stage.pp_rank, dp_rank=stage.dp_rank,
-                                rank=rank, module=stage.ctx.module, optimizer=stage.optimizer,
-                                layers=stage.layers)
+                _save(cfg, stage, rank, done=done)
     finally:
         if metrics_file is not None:
             metrics_file.close()

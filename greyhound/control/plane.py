@@ -84,9 +84,10 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
         if comm.rank == 0:
             planner = None
             if os.environ.get("GREYHOUND_MODE") == "mitigate":
-                from greyhound.mitigate.planner import Planner
+                from greyhound.mitigate.planner import Planner, PlannerConfig
 
-                planner = Planner(client, run_dir)
+                planner = Planner(client, run_dir, config=PlannerConfig(
+                    requeue=os.environ.get("GREYHOUND_REQUEUE", "on") != "off"), job=_slurm_job(), slurm=_slurm())
             master = Master(run_dir, client, nodes=nodes, config=config.master, poll_s=config.agent.poll_s,
                             planner=planner)
             append_event(run_dir, "control_plane_started", master_node=node, nodes=nodes,
@@ -129,6 +130,26 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
         assert redis_proc is not None  # rank 0 started it: the address is not None
         stop_redis(redis_proc)
     return 0
+
+
+def _slurm_job() -> dict | None:
+    """This job as S4 needs it (id, partition, node count), from the step's Slurm
+    environment; None outside Slurm."""
+    env = os.environ
+    if not all(env.get(k) for k in ("SLURM_JOB_ID", "SLURM_JOB_PARTITION", "SLURM_JOB_NUM_NODES")):
+        return None
+    return {"id": env["SLURM_JOB_ID"], "partition": env["SLURM_JOB_PARTITION"],
+            "num_nodes": int(env["SLURM_JOB_NUM_NODES"])}
+
+
+def _slurm():
+    try:
+        from greyhound.slurm_client import connect
+
+        return connect()
+    except Exception:
+        log.debug("no Slurm client", exc_info=True)
+        return None
 
 
 def _together(comm, stop: _Stop, beat) -> bool:

@@ -38,6 +38,7 @@ PLAN = "plan"
 MITIGATION_WATCH = "mitigation:watch"
 TRAINING_LAYOUT = "training:layout"
 TRAINING_APPLIED = "training:applied"
+TRAINING_CHECKPOINTED = "training:checkpointed"
 
 
 def rank_key(rank: int) -> str:

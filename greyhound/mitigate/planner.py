@@ -25,6 +25,19 @@ a drop, not a level: the figures right around a plan and a pause mix regimes (ju
 against the work before the plan, a recovery was called while the straggler was
 still 1.5x slow). A fail-slow that ends before the plan settles leaves the plan in
 force until the job ends: it costs only the imbalance, never a wrong step back.
+
+S4 (checkpoint and requeue without the bad node), for what S2 cannot help: a validated
+link fail-slow named at one node, or a compute straggler in a job that cannot re-split
+(it does not call greyhound.mitigate, or has one replica). Ski-rental: the job keeps
+running slow while the time lost so far is below what a restart costs (the job's own
+start-up, measured from the control plane's start to every rank's first iteration,
+plus Slurm's hold on a requeued job and one step for the checkpoint); once the loss
+reaches the cost (break-even: never more than twice the better of the two choices in
+hindsight), a plan asks the training processes for a checkpoint, and when rank 0 says
+it is saved the master requeues the job without the node (slurm_client's
+requeue_excluding). It does not when the partition would have too few usable nodes
+left for the job (a job excluded from the nodes it needs would wait for ever), when
+the admin or the user turned S4 off, or when the slowdown ends first.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,9 +53,11 @@ import numpy as np
 
 from greyhound.control.events import append_event
 from greyhound.mitigate.microbatch import makespan, split_microbatches
+from greyhound.slurm_client import COMMENT_MAX_LEN
 from greyhound.control.store import MITIGATION_WATCH as WATCH_KEY
 from greyhound.control.store import PLAN as PLAN_KEY
 from greyhound.control.store import TRAINING_APPLIED as APPLIED_KEY
+from greyhound.control.store import TRAINING_CHECKPOINTED as CHECKPOINTED_KEY
 from greyhound.control.store import TRAINING_LAYOUT as LAYOUT_KEY
 
 log = logging.getLogger(__name__)
@@ -61,6 +77,15 @@ class PlannerConfig:
     agents' recent figures cover 10 polls after that (24 polls were too few once: the
     straggler's figure still fell as its window filled, and read as a recovery)."""
 
+    requeue: bool = True
+    """S4 allowed (the admin's plugstack ``requeue=off`` or the user's
+    ``--greyhound=mitigate,requeue=off`` turn it off)."""
+    requeue_hold_s: float = 120.0
+    """Slurm's hold on a requeued job before it may start again (its begin time; a
+    requeued job ran again 160 s after the requeue on the local cluster)."""
+    checkpoint_polls: int = 240
+    """Polls to wait for the checkpoint S4 asked for; then S4 is given up."""
+
     def __post_init__(self) -> None:
         if not self.end_drop > 1:
             raise ValueError(f"end_drop={self.end_drop} must be > 1")
@@ -74,6 +99,20 @@ def replica_seconds(replicas: Sequence[Sequence[int]], slowness: dict[int, float
     return np.array([max((slowness.get(r, 1.0) for r in members), default=1.0) for members in replicas])
 
 
+def restart_cost_s(*, startup_s: float, hold_s: float, step_s: float) -> float:
+    """What S4 costs the job: its start-up again, Slurm's hold, one step to checkpoint."""
+    return startup_s + hold_s + step_s
+
+
+def s4_nodes(verdict: dict) -> list[str]:
+    """The node S4 would leave out for a validated verdict: a link fail-slow named at
+    one node, or a compute straggler's node; [] when there is no single node to blame."""
+    if not verdict.get("validated") or verdict.get("kind") not in ("link", "compute"):
+        return []
+    nodes = list(verdict.get("nodes") or [])
+    return nodes if len(nodes) == 1 else []
+
+
 def recovered(now_s: float, settled_s: float, drop: float) -> bool:
     """Whether a straggler's work per iteration fell by ``drop`` from its level under
     the plan with the fail-slow on."""
@@ -83,10 +122,20 @@ def recovered(now_s: float, settled_s: float, drop: float) -> bool:
 class Planner:
     """Runs on the master; see the module docstring."""
 
-    def __init__(self, client, run_dir: str | Path, *, config: PlannerConfig | None = None) -> None:
+    def __init__(self, client, run_dir: str | Path, *, config: PlannerConfig | None = None,
+                 job: dict | None = None, slurm=None) -> None:
+        """``job``: this job's id, partition and node count (from the plane's Slurm
+        environment; None: no S4); ``slurm``: the Slurm client S4 requeues with."""
         self.client = client
         self.run_dir = Path(run_dir)
         self.config = config or PlannerConfig()
+        self.job = job
+        self.slurm = slurm
+        self.started_s = time.time()
+        self.startup_s: float | None = None
+        """Seconds from the planner's start (the control plane's) to every rank's first iteration."""
+        self.s4: dict | None = None
+        """The S4 candidate: ``nodes``, ``why``; ``version`` once its checkpoint is asked for."""
         self.version = 0
         self.stragglers: dict[int, float] = {}
         """rank -> measured slowness, while a plan is in force."""
@@ -105,14 +154,18 @@ class Planner:
         return int(json.loads(raw).get("version", 0)) if raw else 0
 
     def on_verdict(self, verdict: dict, ranks: dict) -> None:
-        """A validated compute straggler (the verdict's lead or one beside it): S2."""
+        """A validated compute straggler (the verdict's lead or one beside it): S2;
+        what S2 cannot help: an S4 candidate."""
         found = _compute_findings(verdict, ranks)
-        if not verdict.get("validated") or not found:
-            return
         layout = self._layout()
-        if layout is None:
-            append_event(self.run_dir, "mitigation_skipped", level="S2",
-                         why="the training processes do not call greyhound.mitigate (no layout on the board)")
+        if not verdict.get("validated") or not found or layout is None or len(layout["replicas"]) < 2:
+            if found and verdict.get("validated"):
+                append_event(self.run_dir, "mitigation_skipped", level="S2",
+                             why="the training processes do not call greyhound.mitigate (no layout on the board)"
+                             if layout is None else "the job has one DP replica: nothing to re-split")
+            nodes = s4_nodes(verdict)
+            if nodes and self.s4 is None:
+                self.s4 = {"nodes": nodes, "why": f"{verdict['kind']} fail-slow at {verdict.get('where')}"}
             return
         self.stragglers.update(found)
         # Every straggler's work is measured again around the new plan (an earlier
@@ -127,7 +180,12 @@ class Planner:
         self._publish(layout, ranks, why=f"compute straggler(s) {_ranks_text(self.stragglers)}")
 
     def poll(self, ranks: dict) -> None:
-        """Every poll while a plan is in force: has the straggler recovered?"""
+        """Every poll: the job's start-up time; S4's ski-rental; while an S2 plan is in
+        force, has the straggler recovered?"""
+        if self.startup_s is None and ranks and all(int(s.get("iterations") or 0) > 0 for s in ranks.values()):
+            self.startup_s = time.time() - self.started_s
+        if self.s4 is not None:
+            self._s4_poll(ranks)
         if not self.stragglers or self._applied_version() != self.version:
             return
         self._polls_applied += 1
@@ -154,6 +212,95 @@ class Planner:
                          work={str(r): {k: round(v, 4) for k, v in w.items()} for r, w in watched.items()})
             self.stragglers.clear()
             self.work.clear()
+
+    def _s4_poll(self, ranks: dict) -> None:
+        s4 = self.s4
+        assert s4 is not None
+        if "version" in s4:
+            self._s4_requeue(s4)
+            return
+        loss_s, step_s = slow_loss(ranks)
+        if loss_s is None:                 # the slowdown ended: nothing to pay for
+            self.s4 = None
+            return
+        cost_s = restart_cost_s(startup_s=self.startup_s or 0.0, hold_s=self.config.requeue_hold_s,
+                                step_s=step_s or 0.0)
+        if loss_s < cost_s:
+            return
+        why = self._s4_refused(s4["nodes"])
+        if why:
+            append_event(self.run_dir, "mitigation_skipped", level="S4", why=why, loss_s=loss_s,
+                         cost_s=round(cost_s, 3))
+            self.s4 = None
+            return
+        layout = self._layout()
+        self.version += 1
+        s4.update(version=self.version, polls=0, loss_s=loss_s, cost_s=round(cost_s, 3))
+        split = list(self._current_split(layout))
+        self.client.set(PLAN_KEY, json.dumps({"version": self.version, "microbatch_split": split,
+                                              "checkpoint": True, "level": "S4", "why": s4["why"]}))
+        append_event(self.run_dir, "mitigation", level="S4", version=self.version, why=s4["why"],
+                     action=f"checkpoint, then requeue without {','.join(s4['nodes'])}", nodes=s4["nodes"],
+                     loss_s=loss_s, cost_s=round(cost_s, 3))
+
+    def _s4_refused(self, nodes: list[str]) -> str | None:
+        """Why S4 may not run now (None: it may)."""
+        if not self.config.requeue:
+            return "S4 (requeue) is turned off for this job"
+        if self.job is None or self.slurm is None:
+            return "the control plane does not know its Slurm job"
+        if self._layout() is None:
+            return "the training processes do not call greyhound.mitigate: nobody would save a checkpoint"
+        try:
+            usable = self.slurm.schedulable_nodes(self.job["partition"])
+        except Exception as exc:  # noqa: BLE001  (S4 is given up, never the job)
+            return f"cannot list the partition's nodes ({exc})"
+        left = [n for n in usable if n not in nodes]
+        if len(left) < int(self.job["num_nodes"]):
+            return (f"partition {self.job['partition']} would keep {len(left)} usable node(s) without "
+                    f"{','.join(nodes)}; the job needs {self.job['num_nodes']}")
+        return None
+
+    def _s4_requeue(self, s4: dict) -> None:
+        raw = self.client.get(CHECKPOINTED_KEY)
+        saved = json.loads(raw) if raw else {}
+        if saved.get("version") != s4["version"]:
+            s4["polls"] += 1
+            if s4["polls"] > self.config.checkpoint_polls:
+                append_event(self.run_dir, "mitigation_skipped", level="S4",
+                             why=f"no checkpoint within {self.config.checkpoint_polls} polls")
+                self.s4 = None
+            return
+        if saved.get("step") is None:
+            append_event(self.run_dir, "mitigation_skipped", level="S4",
+                         why=f"the job saved no checkpoint ({saved.get('why') or 'no reason given'})")
+            self.s4 = None
+            return
+        nodes = s4["nodes"]
+        note = (f"greyhound S4: requeued without {','.join(nodes)} after step {saved['step']} "
+                f"({s4['why']}; lost {s4['loss_s']:.0f} s >= restart cost {s4['cost_s']:.0f} s)")
+        append_event(self.run_dir, "requeued", nodes=nodes, step=saved["step"], why=s4["why"],
+                     loss_s=s4["loss_s"], cost_s=s4["cost_s"])
+        self.s4 = None
+        job, slurm = self.job, self.slurm
+        assert job is not None and slurm is not None    # _s4_refused said so
+        try:
+            # The job's record says it too, after the user's own comment (a note of
+            # its own: the post-mortem's "greyhound:" summary replaces only its own).
+            existing = slurm.job(job["id"]).comment
+            slurm.set_comment(job["id"], (f"{existing} | {note}" if existing else note)[:COMMENT_MAX_LEN])
+        except Exception:  # the note is best effort
+            log.debug("cannot set the job's comment", exc_info=True)
+        try:
+            slurm.requeue_excluding(job["id"], nodes)   # Slurm ends this job's steps, this one too
+        except Exception as exc:  # noqa: BLE001  (the job runs on where it is)
+            append_event(self.run_dir, "mitigation_skipped", level="S4", why=f"requeue failed: {exc}")
+
+    def _current_split(self, layout: dict | None) -> list[int]:
+        raw = self.client.get(PLAN_KEY)
+        if raw:
+            return list(json.loads(raw)["microbatch_split"])
+        return list(layout["microbatch_split"]) if layout else []
 
     def _publish(self, layout: dict, ranks: dict, *, why: str) -> None:
         default = list(layout["microbatch_split"])

@@ -7,6 +7,9 @@
     for step in range(start, steps):
         plan = mitigation.step(step)          # at the step boundary, on every rank
         split = plan.microbatch_split         # this step's micro-batches per DP replica
+        if plan.checkpoint:                   # S4: greyhound requeues the job once saved
+            save_checkpoint(step)             # the state after `step` completed steps
+            mitigation.checkpointed(step)
         ...                                   # replica i takes its consecutive run of the
                                               # global batch: first = sum(split[:i])
 
@@ -36,6 +39,7 @@ from collections.abc import Sequence
 
 from greyhound.control.store import PLAN as PLAN_KEY
 from greyhound.control.store import TRAINING_APPLIED as APPLIED_KEY
+from greyhound.control.store import TRAINING_CHECKPOINTED as CHECKPOINTED_KEY
 from greyhound.control.store import TRAINING_LAYOUT as LAYOUT_KEY
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,10 @@ class Plan:
     """0: the job's own split; the master counts its plans from 1."""
     microbatch_split: tuple[int, ...]
     """Micro-batches of each DP replica this step; sums to the global batch."""
+    checkpoint: bool = False
+    """Save a checkpoint before this step, then call :meth:`Mitigation.checkpointed`:
+    greyhound requeues the job without a bad node once it is saved (S4), and the job
+    resumes from it. True at one step only."""
 
 
 class Mitigation:
@@ -91,16 +99,26 @@ class Mitigation:
         import torch.distributed as dist
 
         wanted = self._read_board(step) if self.rank == 0 else self.plan
-        buf = torch.tensor([wanted.version, *wanted.microbatch_split], dtype=torch.int64)
+        buf = torch.tensor([wanted.version, int(wanted.checkpoint), *wanted.microbatch_split], dtype=torch.int64)
         dist.broadcast(buf, src=0)
-        version, *split = buf.tolist()
-        if version != self.plan.version:
-            self.plan = Plan(version=version, microbatch_split=tuple(split))
-            if self.rank == 0:
-                log.warning("greyhound: plan %d from step %d: micro-batches per DP replica %s",
-                            version, step, ",".join(map(str, split)))
-                self._tell(APPLIED_KEY, {"version": version, "step": step, "microbatch_split": split})
+        version, checkpoint, *split = buf.tolist()
+        if version == self.plan.version:
+            return dataclasses.replace(self.plan, checkpoint=False)
+        self.plan = Plan(version=version, microbatch_split=tuple(split), checkpoint=bool(checkpoint))
+        if self.rank == 0:
+            log.warning("greyhound: plan %d from step %d: micro-batches per DP replica %s%s",
+                        version, step, ",".join(map(str, split)),
+                        "; checkpoint now: greyhound requeues this job without a slow node" if checkpoint else "")
+            self._tell(APPLIED_KEY, {"version": version, "step": step, "microbatch_split": split})
         return self.plan
+
+    def checkpointed(self, step: int | None, *, why: str = "") -> None:
+        """The checkpoint a plan asked for is saved, after ``step`` completed steps (rank 0
+        tells the master; the others do nothing). ``None`` with ``why``: none could be
+        saved (no checkpoint directory, say), and greyhound does not requeue the job."""
+        if self.active and self.rank == 0:
+            self._tell(CHECKPOINTED_KEY, {"version": self.plan.version, "step": step,
+                                          **({"why": why} if why else {})})
 
     # ---- rank 0: the job's Redis --------------------------------------------------
 
@@ -114,6 +132,10 @@ class Mitigation:
             if raw is None:
                 return self.plan
             return self._check(json.loads(raw))
+        except ValueError as exc:     # a malformed plan: ignored, the board is read on
+            self._warn_once(f"plan:{exc}", f"greyhound: mitigation: ignoring a plan ({exc}); "
+                                           "keeping the plan in force")
+            return self.plan
         except Exception as exc:  # noqa: BLE001  (fail open: the job keeps its plan)
             self._warn_once(type(exc).__name__, f"greyhound: mitigation: cannot read the plan ({exc}); "
                                                 "keeping the plan in force")
@@ -141,11 +163,13 @@ class Mitigation:
         total = sum(self.default.microbatch_split)
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"plan version {version!r} is not an integer >= 0")
+        if not isinstance(plan.get("checkpoint", False), bool):
+            raise ValueError(f"plan {version}: checkpoint {plan.get('checkpoint')!r} is not true or false")
         if (not isinstance(split, list) or len(split) != len(self.replicas)
                 or not all(isinstance(m, int) and m >= 1 for m in split) or sum(split) != total):
             raise ValueError(f"plan {version}: microbatch_split {split!r} is not {len(self.replicas)} "
                              f"integers >= 1 summing to {total}")
-        return Plan(version=version, microbatch_split=tuple(split))
+        return Plan(version=version, microbatch_split=tuple(split), checkpoint=plan.get("checkpoint", False))
 
     def _tell(self, key: str, value: dict) -> None:
         try:
