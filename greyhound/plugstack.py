@@ -1,7 +1,8 @@
 """The admin's greyhound settings, read from its plugstack line as the plugin reads them.
 
 ``optional /usr/local/lib/greyhound/greyhound_spank.so default=off mode=detect
-prefix=/usr/local rundir=/var/tmp/greyhound retain=7 python=/opt/greyhound/bin/python``:
+prefix=/usr/local rundir=/var/tmp/greyhound retain=7 python=/opt/greyhound/bin/python
+requeue=on``:
 the arguments after the plugin's
 path are ``key=value`` with the plugin's keys (spank/plugin/config.c); anything else
 makes the plugin turn greyhound off, and then this reader says so too.
@@ -16,7 +17,10 @@ from pathlib import Path
 from greyhound.errors import InputError
 
 PLUGSTACK_ENTRY = Path("/etc/slurm/plugstack.conf.d/greyhound.conf")
-KEYS = ("default", "mode", "prefix", "rundir", "retain", "python")
+KEYS = ("default", "mode", "prefix", "rundir", "retain", "python", "requeue")
+_ON = ("1", "on", "true", "yes", "y")
+_OFF = ("0", "off", "false", "no", "n")
+"""The plugin's booleans (parse_bool in spank/plugin/config.c)."""
 DEFAULT_RUNDIR = Path("/var/tmp/greyhound")
 DEFAULT_PREFIX = Path("/usr/local")
 
@@ -31,6 +35,9 @@ class PlugstackConfig:
     mode: str = "detect"
     python: Path | None = None
     """The interpreter that runs each job's control plane; None: no control plane."""
+    requeue: bool = True
+    """S4 allowed: checkpoint and requeue a job without its slow node. Off here wins
+    over a job's ``--greyhound=requeue=on``."""
 
 
 def parse_plugstack_line(line: str) -> PlugstackConfig | None:
@@ -51,12 +58,15 @@ def parse_plugstack_line(line: str) -> PlugstackConfig | None:
     for key in ("rundir", "prefix", "python"):
         if key in args and not args[key].startswith("/"):
             raise InputError(f"plugstack: {key}={args[key]!r} must be an absolute path")
+    if "requeue" in args and args["requeue"] not in _ON + _OFF:
+        raise InputError(f"plugstack: requeue={args['requeue']!r} is not allowed; use on or off")
     return PlugstackConfig(
         rundir=Path(args.get("rundir", DEFAULT_RUNDIR)),
         prefix=Path(args.get("prefix", DEFAULT_PREFIX)),
-        default_on=args.get("default", "off") in ("1", "on", "true", "yes", "y"),
+        default_on=args.get("default", "off") in _ON,
         mode=args.get("mode", "detect"),
         python=Path(args["python"]) if "python" in args else None,
+        requeue=args.get("requeue", "on") in _ON,
     )
 
 

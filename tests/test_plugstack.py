@@ -27,6 +27,18 @@ def test_other_plugins_and_comments_are_not_greyhounds():
     assert parse_plugstack_line("# optional greyhound_spank.so rundir=/x") is None
 
 
+@pytest.mark.parametrize("value, expected", [(None, True), ("on", True), ("yes", True), ("off", False), ("0", False)])
+def test_requeue_is_on_unless_the_admin_turns_it_off(value, expected):
+    line = "optional /x/greyhound_spank.so rundir=/r" + (f" requeue={value}" if value else "")
+    assert parse_plugstack_line(line).requeue is expected
+
+
+@pytest.mark.parametrize("word", ["requeue=x", "requeue="])
+def test_a_bad_requeue_is_refused_in_one_line(word):
+    with pytest.raises(InputError, match=r"^plugstack: requeue='x?' is not allowed; use on or off$"):
+        parse_plugstack_line(f"optional /x/greyhound_spank.so {word}")
+
+
 @pytest.mark.parametrize("word", ["rundir", "colour=red", "rundir=relative/path", "python=python3"])
 def test_an_argument_the_plugin_refuses_is_refused(word):
     with pytest.raises(InputError, match="plugstack: "):

@@ -50,7 +50,7 @@ static struct spank_option greyhound_option = {
 	.name = "greyhound",
 	.arginfo = "options",
 	.usage = "[greyhound] find and mitigate stragglers; OPTIONS: off | detect | mitigate | "
-		 "key=value,... with mode=detect|mitigate, trace=on|off, report=DIR "
+		 "key=value,... with mode=detect|mitigate, trace=on|off, report=DIR, requeue=on|off "
 		 "(default: $GREYHOUND_OPTIONS)",
 	.has_arg = 2, /* optional argument */
 	.val = 0,

@@ -11,7 +11,7 @@
 
 #include "greyhound.h"
 
-#define GH_OPTION_KEYS "mode, trace, report"
+#define GH_OPTION_KEYS "mode, trace, report, requeue"
 
 static int parse_bool(const char *value)
 {
@@ -47,6 +47,7 @@ void gh_config_defaults(struct gh_config *config)
 	strcpy(config->rundir, "/var/tmp/greyhound");
 	config->python[0] = '\0'; /* none: the control plane is not started */
 	config->retain_days = GH_RETAIN_DAYS_DEFAULT;
+	config->requeue = 1;
 }
 
 #define FAIL(...)                                    \
@@ -55,7 +56,7 @@ void gh_config_defaults(struct gh_config *config)
 		goto fail;                           \
 	} while (0)
 
-enum config_key { KEY_DEFAULT, KEY_MODE, KEY_PREFIX, KEY_RUNDIR, KEY_RETAIN, KEY_PYTHON };
+enum config_key { KEY_DEFAULT, KEY_MODE, KEY_PREFIX, KEY_RUNDIR, KEY_RETAIN, KEY_PYTHON, KEY_REQUEUE };
 
 static const struct {
 	const char *name;
@@ -67,10 +68,12 @@ static const struct {
 	{ "rundir", KEY_RUNDIR },
 	{ "retain", KEY_RETAIN },
 	{ "python", KEY_PYTHON },
+	{ "requeue", KEY_REQUEUE },
 };
 
-#define CONFIG_KEYS_ALLOWED \
-	"default=on|off, mode=detect|mitigate, prefix=DIR, rundir=DIR, retain=DAYS, python=PATH"
+#define CONFIG_KEYS_ALLOWED                                                                    \
+	"default=on|off, mode=detect|mitigate, prefix=DIR, rundir=DIR, retain=DAYS, python=PATH, " \
+	"requeue=on|off"
 
 /* An absolute path, no empty, '.' or '..' component, not "/" itself. */
 static int valid_abs_path(const char *value)
@@ -158,6 +161,10 @@ int gh_config_parse(struct gh_config *config, int ac, char **av, char *err, size
 				FAIL("retain='%s' is not allowed; use a whole number of days from 0 to %d", value,
 				     GH_RETAIN_DAYS_MAX);
 			break;
+		case KEY_REQUEUE:
+			if ((config->requeue = parse_bool(value)) < 0)
+				FAIL("requeue='%s' is not allowed; use on or off", value);
+			break;
 		}
 	}
 	return 0;
@@ -172,6 +179,7 @@ void gh_options_defaults(struct gh_options *options)
 	memset(options, 0, sizeof(*options));
 	options->enabled = -1;
 	options->trace = -1;
+	options->requeue = -1;
 }
 
 /*
@@ -201,6 +209,21 @@ fail:
 	return -1;
 }
 
+/* key=on|off into *slot (-1 unset, 0 off, 1 on). */
+static int set_switch(int *slot, const char *key, const char *value, char *err, size_t err_len)
+{
+	int on = parse_bool(value);
+
+	if (on < 0)
+		FAIL("%s='%s' is not allowed; use %s=on or %s=off", key, value, key, key);
+	if (*slot >= 0 && *slot != on)
+		FAIL("%s given twice ('%s' and '%s'); give it once", key, *slot ? "on" : "off", on ? "on" : "off");
+	*slot = on;
+	return 0;
+fail:
+	return -1;
+}
+
 static int parse_item(struct gh_options *options, char *item, char *err, size_t err_len)
 {
 	char *value = strchr(item, '=');
@@ -218,17 +241,10 @@ static int parse_item(struct gh_options *options, char *item, char *err, size_t 
 	*value++ = '\0';
 	if (!strcmp(item, "mode"))
 		return set_mode(options, value, err, err_len);
-	if (!strcmp(item, "trace")) {
-		int on = parse_bool(value);
-
-		if (on < 0)
-			FAIL("trace='%s' is not allowed; use trace=on or trace=off", value);
-		if (options->trace >= 0 && options->trace != on)
-			FAIL("trace given twice ('%s' and '%s'); give it once", options->trace ? "on" : "off",
-			     on ? "on" : "off");
-		options->trace = on;
-		return 0;
-	}
+	if (!strcmp(item, "trace"))
+		return set_switch(&options->trace, "trace", value, err, err_len);
+	if (!strcmp(item, "requeue"))
+		return set_switch(&options->requeue, "requeue", value, err, err_len);
 	if (!strcmp(item, "report")) {
 		if (value[0] != '/')
 			FAIL("report='%s' must be an absolute directory path", value);
@@ -275,7 +291,8 @@ int gh_options_parse(struct gh_options *options, const char *value, char *err, s
 		if (parse_item(options, item, err, err_len) < 0)
 			goto fail;
 	}
-	if (options->enabled == 0 && (options->mode[0] || options->trace >= 0 || options->report[0]))
+	if (options->enabled == 0 &&
+	    (options->mode[0] || options->trace >= 0 || options->requeue >= 0 || options->report[0]))
 		FAIL("'off' cannot be combined with other settings");
 	if (options->enabled < 0)
 		options->enabled = 1;
@@ -297,4 +314,17 @@ int gh_enabled(const struct gh_config *config, const struct gh_options *options)
 const char *gh_effective_mode(const struct gh_config *config, const struct gh_options *options)
 {
 	return options->mode[0] ? options->mode : config->mode;
+}
+
+/*
+ * Whether S4 (checkpoint and requeue the job without the slow node) may run: the
+ * user may turn it off for a job, but not on where the admin turned it off. Admin off
+ * wins: a requeue gives up the job's nodes and queues it again, a scheduling decision
+ * that is the cluster's to forbid.
+ */
+int gh_effective_requeue(const struct gh_config *config, const struct gh_options *options)
+{
+	if (!config->requeue)
+		return 0;
+	return options->requeue != 0;
 }

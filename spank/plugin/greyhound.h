@@ -34,6 +34,7 @@ struct gh_config {
 	char rundir[PATH_MAX];         /* parent of the per-job run directories */
 	char python[PATH_MAX];         /* interpreter of the control plane; "" = none */
 	int retain_days;               /* a run directory is removed this long after its job */
+	int requeue;                   /* 1: S4 (checkpoint, requeue without the slow node) allowed */
 	int broken;                    /* the arguments did not parse: greyhound is off */
 };
 
@@ -43,6 +44,7 @@ struct gh_options {
 	char mode[GH_MODE_MAX_LEN];    /* "" = the admin's default */
 	int trace;                     /* -1 unset, 0 off, 1 on */
 	char report[PATH_MAX];         /* "" = default report directory */
+	int requeue;                   /* -1 unset, 0 off, 1 on (cannot override the admin's off) */
 };
 
 /* The effective state of this process, filled by the option callback and init. */
@@ -56,6 +58,7 @@ void gh_options_defaults(struct gh_options *options);
 int gh_options_parse(struct gh_options *options, const char *value, char *err, size_t err_len);
 int gh_enabled(const struct gh_config *config, const struct gh_options *options);
 const char *gh_effective_mode(const struct gh_config *config, const struct gh_options *options);
+int gh_effective_requeue(const struct gh_config *config, const struct gh_options *options);
 
 /* args.c */
 int gh_register_options(spank_t sp);

@@ -69,9 +69,9 @@ static int write_options_file(int job_fd, const char *run_dir, uid_t uid, gid_t 
 	char content[64 + PATH_MAX], err[GH_ERR_LEN] = "";
 	int n;
 
-	n = snprintf(content, sizeof(content), "mode=%s\ntrace=%s\nreport=%s\n",
+	n = snprintf(content, sizeof(content), "mode=%s\ntrace=%s\nreport=%s\nrequeue=%s\n",
 		     gh_effective_mode(&gh_config, &gh_options), gh_options.trace == 0 ? "off" : "on",
-		     gh_options.report);
+		     gh_options.report, gh_effective_requeue(&gh_config, &gh_options) ? "on" : "off");
 	if (n < 0 || (size_t)n >= sizeof(content)) {
 		slurm_error("greyhound: remote: %s/options: too long; not written", run_dir);
 		return -1;
@@ -156,6 +156,7 @@ int gh_remote_init_post_opt(spank_t sp)
 	write_options_file(job_fd, run_dir, uid, gid);
 	if (set_env(sp, "GREYHOUND_JOB_ID", job_id_str) < 0 ||
 	    set_env(sp, "GREYHOUND_MODE", gh_effective_mode(&gh_config, &gh_options)) < 0 ||
+	    set_env(sp, "GREYHOUND_REQUEUE", gh_effective_requeue(&gh_config, &gh_options) ? "on" : "off") < 0 ||
 	    set_env(sp, "GREYHOUND_RUN_DIR", run_dir) < 0 ||
 	    set_env(sp, "GREYHOUND_PREFIX", gh_config.prefix) < 0 ||
 	    set_env(sp, "GREYHOUND_TRACE", gh_options.trace == 0 ? "off" : "on") < 0)

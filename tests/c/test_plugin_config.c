@@ -55,6 +55,13 @@ int main(void)
 	      !strcmp(err, "report given twice, with different directories; give it once"));
 	CHECK(parse(&o, "trace=on,trace=yes", err) == 0 && o.trace == 1);
 	CHECK(parse(&o, "trace=on,trace=off", err) < 0 && !strcmp(err, "trace given twice ('on' and 'off'); give it once"));
+	CHECK(parse(&o, "requeue=off", err) == 0 && o.requeue == 0 && o.enabled == 1);
+	CHECK(parse(&o, "mitigate", err) == 0 && o.requeue == -1);
+	CHECK(parse(&o, "requeue=off,requeue=no", err) == 0 && o.requeue == 0);
+	CHECK(parse(&o, "requeue=off,requeue=on", err) < 0 &&
+	      !strcmp(err, "requeue given twice ('off' and 'on'); give it once"));
+	CHECK(parse(&o, "requeue=off", err) == 0 && gh_options_parse(&o, "requeue=on", err, 512) < 0 &&
+	      strstr(err, "requeue given twice ('off' and 'on')"));
 	/* A second call (Slurm calls the callback twice) with the same value, then another. */
 	CHECK(parse(&o, "mode=mitigate,report=/r", err) == 0 &&
 	      gh_options_parse(&o, "mode=mitigate,report=/r", err, 512) == 0 && !strcmp(o.mode, "mitigate"));
@@ -70,6 +77,10 @@ int main(void)
 	CHECK(parse(&o, "mode=fast", err) < 0 && strstr(err, "mode='fast' is not allowed"));
 	CHECK(parse(&o, "colour=red", err) < 0 && strstr(err, "unknown key 'colour'"));
 	CHECK(parse(&o, "trace=", err) < 0 && strstr(err, "trace='' is not allowed"));
+	CHECK(parse(&o, "requeue=maybe", err) < 0 &&
+	      !strcmp(err, "requeue='maybe' is not allowed; use requeue=on or requeue=off"));
+	CHECK(parse(&o, "off,requeue=off", err) < 0 && strstr(err, "cannot be combined"));
+	CHECK(parse(&o, "colour=red", err) < 0 && strstr(err, "allowed keys: mode, trace, report, requeue"));
 	CHECK(parse(&o, ",", err) < 0 && strstr(err, "empty item"));
 	CHECK(parse(&o, "off,trace=on", err) < 0 && strstr(err, "cannot be combined"));
 	CHECK(parse(&o, "trace=on,trace=off", err) < 0 && strstr(err, "trace given twice"));
@@ -93,10 +104,14 @@ int main(void)
 		char *bad_retain[] = { "retain=-1", "retain=7d", "retain=", "retain=3651", "retain= 7", "retain=99999999999" };
 		char *no_value[] = { "retain" };
 		char *retain_max[] = { "retain=3650" };
+		char *requeue_off[] = { "requeue=off" };
+		char *requeue_on[] = { "requeue=on" };
+		char *requeue_bad[] = { "requeue=x" };
+		char *requeue_empty[] = { "requeue=" };
 
 		gh_config_defaults(&c);
 		CHECK(c.default_on == 0 && !strcmp(c.mode, "detect") && !strcmp(c.rundir, "/var/tmp/greyhound") &&
-		      c.retain_days == 7 && c.python[0] == '\0');
+		      c.retain_days == 7 && c.python[0] == '\0' && c.requeue == 1);
 		CHECK(gh_config_parse(&c, 6, good, err, 512) == 0 && c.default_on == 1 && !strcmp(c.mode, "mitigate") &&
 		      !strcmp(c.prefix, "/opt/gh") && !strcmp(c.rundir, "/scratch/gh") && c.retain_days == 0 &&
 		      !strcmp(c.python, "/opt/gh/venv/bin/python"));
@@ -113,6 +128,13 @@ int main(void)
 			      strstr(err, "use a whole number of days from 0 to 3650"));
 		CHECK(gh_config_parse(&c, 1, no_value, err, 512) < 0 && strstr(err, "unknown argument 'retain'"));
 		CHECK(gh_config_parse(&c, 1, retain_max, err, 512) == 0 && c.retain_days == 3650);
+		CHECK(gh_config_parse(&c, 1, requeue_off, err, 512) == 0 && c.requeue == 0);
+		CHECK(gh_config_parse(&c, 1, requeue_on, err, 512) == 0 && c.requeue == 1);
+		CHECK(gh_config_parse(&c, 1, requeue_bad, err, 512) < 0 &&
+		      !strcmp(err, "requeue='x' is not allowed; use on or off"));
+		CHECK(gh_config_parse(&c, 1, requeue_empty, err, 512) < 0 &&
+		      !strcmp(err, "requeue='' is not allowed; use on or off"));
+		CHECK(gh_config_parse(&c, 1, bad_key, err, 512) < 0 && strstr(err, "python=PATH, requeue=on|off"));
 		/* Found by scripts/fuzz-options: a control character in an argument was echoed
 		 * into the message, splitting the "one line" (log injection). */
 		{
@@ -133,6 +155,21 @@ int main(void)
 	c.default_on = 0;
 	parse(&o, "mitigate", err);
 	CHECK(gh_enabled(&c, &o) == 1 && !strcmp(gh_effective_mode(&c, &o), "mitigate"));
+
+	/* S4: on by default; the user may turn it off, not on where the admin turned it off. */
+	gh_config_defaults(&c);
+	gh_options_defaults(&o);
+	CHECK(gh_effective_requeue(&c, &o) == 1);
+	parse(&o, "requeue=off", err);
+	CHECK(gh_effective_requeue(&c, &o) == 0);
+	parse(&o, "requeue=on", err);
+	CHECK(gh_effective_requeue(&c, &o) == 1);
+	c.requeue = 0;
+	CHECK(gh_effective_requeue(&c, &o) == 0); /* admin off wins over the user's on */
+	parse(&o, "mitigate", err);
+	CHECK(gh_effective_requeue(&c, &o) == 0);
+	parse(&o, "requeue=off", err);
+	CHECK(gh_effective_requeue(&c, &o) == 0);
 
 	printf("%d passed, %d failed\n", passed, failed);
 	return failed != 0;

@@ -61,10 +61,11 @@ static void fuzz_options(const char *a, const char *b)
 	}
 	CHECK(o.enabled == 0 || o.enabled == 1);
 	CHECK(o.trace >= -1 && o.trace <= 1);
+	CHECK(o.requeue >= -1 && o.requeue <= 1);
 	CHECK(o.mode[0] == '\0' || valid_mode(o.mode));
 	CHECK(strnlen(o.report, sizeof(o.report)) < sizeof(o.report));
 	CHECK(o.report[0] == '\0' || o.report[0] == '/');
-	CHECK(o.enabled == 1 || (o.mode[0] == '\0' && o.trace < 0 && o.report[0] == '\0'));
+	CHECK(o.enabled == 1 || (o.mode[0] == '\0' && o.trace < 0 && o.requeue < 0 && o.report[0] == '\0'));
 	/* The same value again is always accepted, and changes nothing. */
 	{
 		struct gh_options again = o;
@@ -95,6 +96,7 @@ static void fuzz_config(char *text)
 	CHECK(strstr(c.rundir, "//") == NULL && strstr(c.rundir, "/../") == NULL);
 	CHECK(c.python[0] == '\0' || (c.python[0] == '/' && strcmp(c.python, "/") != 0 && !strstr(c.python, "//")));
 	CHECK(c.retain_days >= 0 && c.retain_days <= GH_RETAIN_DAYS_MAX);
+	CHECK(c.requeue == 0 || c.requeue == 1);
 }
 
 static void fuzz_path(const char *entry, const char *current, int ld_preload)
