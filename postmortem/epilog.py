@@ -396,7 +396,27 @@ def analyze_job(job_id: str, rundir: Path) -> str | None:
             summary = OUT_OF_MEMORY    # a library too big for the address-space limit
         else:
             summary = f"greyhound: no post-mortem: internal error ({type(exc).__name__}: {str(exc)[:_CAUSE_MAX_CHARS]})"
-    return " ".join(summary.split())
+    note = requeue_note(run_dir)
+    summary = " ".join(summary.split())
+    return f"{summary}; {note}"[:COMMENT_MAX_LEN] if note else summary
+
+
+def requeue_note(run_dir: Path) -> str | None:
+    """What S4 did to this job, from its event log, for its record ("S4 requeued it
+    without n3 after step 309: link fail-slow at n3"); None when it did nothing. The
+    run's own note on the comment does not outlive the requeue, so the post-mortem's
+    summary carries it."""
+    from greyhound.control.events import read_events
+
+    try:
+        done = [e for e in read_events(run_dir) if e["kind"] == "requeued"]
+    except Exception:  # noqa: BLE001  (the note is extra: the post-mortem stands without it)
+        return None
+    parts = []
+    for e in done[-3:]:
+        nodes = ",".join(str(n) for n in e.get("nodes", []) if isinstance(n, str))[:80] or "?"
+        parts.append(f"S4 requeued it without {nodes} after step {e.get('step')}: {str(e.get('why'))[:120]}")
+    return "; ".join(" ".join(p.split()) for p in parts) or None
 
 
 def _as_user_main(argv: list[str]) -> int:

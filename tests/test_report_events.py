@@ -200,6 +200,21 @@ def test_the_epilog_step_passes_the_run_dir(tmp_path, monkeypatch, trace):
     assert [e["step"] for e in data["events"]] == [None, 3, 5, 7, 8, 9, 10, None]
 
 
+def test_the_jobs_record_says_what_s4_did_even_without_a_post_mortem(tmp_path):
+    """The run's own note on the comment does not outlive the requeue: the epilog's
+    summary carries it, after whatever the post-mortem said."""
+    from postmortem.epilog import analyze_job
+
+    run_dir = tmp_path / "77"
+    run_dir.mkdir()
+    assert analyze_job("77", tmp_path).startswith("greyhound: no post-mortem:")
+    assert "S4" not in analyze_job("77", tmp_path)
+    append_event(run_dir, "requeued", nodes=["n3"], step=309, why="link fail-slow at n3", loss_s=137.5, cost_s=135.7)
+    summary = analyze_job("77", tmp_path)
+    assert summary.startswith("greyhound: no post-mortem:")
+    assert summary.endswith("; S4 requeued it without n3 after step 309: link fail-slow at n3"), summary
+
+
 # --- a hostile or broken event log: one line in the report, never a traceback ---------
 
 
