@@ -174,6 +174,18 @@ def test_a_slow_link_found_by_the_p2p_tests_names_its_node(job):
     assert master.episode.verdict["kind"] == "link" and master.episode.verdict["where"] == "n4"
 
 
+def test_an_unsuspected_link_must_be_far_slower_than_a_suspected_one_to_be_named(job):
+    # 22%: measured on a healthy loopback link of the emulated cluster, alone on the wire.
+    master = _profiled(job)
+    slow = [{"link": "n3<->n4", "node": None, "ratio": 0.22, "bandwidth_Bps": 3.6e8}]
+    for _ in range(2):
+        master.take_request()
+        master.complete_validation({"paused": True, "pause_s": 1.0, "park_s": 0.3, "slow_links": slow,
+                                    "results": [{"key": "compute:5", "confirmed": False}]})
+        master.step()
+    assert master.episode.verdict["kind"] == "unknown"
+
+
 def test_a_failed_pause_gives_an_unvalidated_verdict(job):
     master = _profiled(job)
     master.take_request()
@@ -214,11 +226,15 @@ def test_a_link_at_one_percent_outranks_a_gemm_it_slowed():
     assert (verdict["kind"], verdict["where"], verdict["nodes"]) == ("link", "n3", ["n3"])
     assert verdict["also"] == [{"kind": "compute", "where": "rank 3 on n2", "ranks": [3], "nodes": ["n2"],
                                 "strength": 1.87, "slowness": 1.7}]
-    # A throttled rank 3x slower beside a link at 50%: the rank leads.
-    mild = [dict(slow[0], ratio=0.5)]
-    results = [{"key": "compute:3", "rank": 3, "ratio": 3.0, "confirmed": True}]
+    # A throttled rank 15x slower beside a link at 8% (12.5x): the rank leads.
+    mild = [dict(slow[0], ratio=0.08)]
+    results = [{"key": "compute:3", "rank": 3, "ratio": 15.0, "confirmed": True}]
     verdict = _verdict([rank3], results, _Episode(onset=53, slowdown=2.7, detected_s=0.0), {"slow_links": mild})
     assert (verdict["kind"], verdict["ranks"], verdict["also"][0]["kind"]) == ("compute", [3], "link")
+    # Beside a link at 50% that nothing suspected: no link finding at all.
+    verdict = _verdict([rank3], results, _Episode(onset=53, slowdown=2.7, detected_s=0.0),
+                       {"slow_links": [dict(slow[0], ratio=0.5)]})
+    assert (verdict["kind"], verdict["ranks"], "also" in verdict) == ("compute", [3], False)
 
 
 def test_a_failing_planner_costs_the_job_its_mitigation_not_its_detection(job):
