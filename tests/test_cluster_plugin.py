@@ -53,7 +53,7 @@ def test_sbatch_help_lists_the_option(cluster):
 
 BAD_OPTIONS = [
     ("mode=fast", "mode='fast' is not allowed; use mode=detect or mode=mitigate"),
-    ("bogus=1", "unknown key 'bogus'; allowed keys: mode, trace, report"),
+    ("bogus=1", "unknown key 'bogus'; allowed keys: mode, trace, report, requeue"),
     ("trace=maybe", "trace='maybe' is not allowed; use trace=on or trace=off"),
     ("report=relative/dir", "report='relative/dir' must be an absolute directory path"),
     ("off,mode=detect", "'off' cannot be combined with other settings"),
@@ -66,6 +66,8 @@ BAD_OPTIONS = [
     ("on,off", "'on' and 'off' both given; give one of them"),
     ("report=/a,report=/b", "report given twice, with different directories; give it once"),
     ("trace=on,trace=off", "trace given twice ('on' and 'off'); give it once"),
+    ("requeue=maybe", "requeue='maybe' is not allowed; use requeue=on or requeue=off"),
+    ("requeue=on,requeue=off", "requeue given twice ('on' and 'off'); give it once"),
 ]
 
 
@@ -263,7 +265,7 @@ def test_srun_and_salloc_take_the_option_too(cluster):
     assert bad.returncode != 0
     assert [line for line in bad.stderr.splitlines() if line.startswith("greyhound: ")] == [
         "greyhound: --greyhound: 'fast' is not an option; use off, on, detect, mitigate or key=value "
-        "with keys mode, trace, report"]
+        "with keys mode, trace, report, requeue"]
 
 
 @pytest.fixture
