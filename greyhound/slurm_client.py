@@ -38,6 +38,8 @@ COMMENT_MAX_LEN = 1024
 
 _DELIMITER = "\x1f|\x1f"
 _JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")
+_NAME = re.compile(r"[A-Za-z0-9._-]+")
+"""A node or partition name as greyhound passes it to Slurm's commands."""
 _SLURMDBD_CONF = Path("/etc/slurm/slurmdbd.conf")
 _SACCT_FIELDS = (
     "JobID", "JobName", "User", "State", "ExitCode", "Cluster", "NodeList", "NNodes",
@@ -208,7 +210,7 @@ class CommandLineClient:
         """The IPv4 address other nodes reach ``node`` at (its NodeAddr, resolved)."""
         import socket
 
-        if not re.fullmatch(r"[A-Za-z0-9._-]+", node):
+        if not _NAME.fullmatch(node):
             raise InputError(f"{node!r} is not a node name")
         out = _run(["scontrol", "show", "node", "-o", node], what=f"node {node}")
         match = re.search(r"\bNodeAddr=(\S+)", out)
@@ -238,7 +240,7 @@ class CommandLineClient:
             SlurmError: a step failed (the message says which; the job is released).
         """
         job_id = check_job_id(job_id)
-        bad = [n for n in nodes if not re.fullmatch(r"[A-Za-z0-9._-]+", n)]
+        bad = [n for n in nodes if not _NAME.fullmatch(n)]
         if bad or not nodes:
             raise InputError(f"cannot exclude {bad or 'no node'}: node names are letters, digits, '.', '_', '-'")
         shown = _run(["scontrol", "show", "job", "-o", job_id], what=f"job {job_id}")
@@ -255,7 +257,7 @@ class CommandLineClient:
     def schedulable_nodes(self, partition: str) -> list[str]:
         """The partition's nodes a job can be given now or later: up and responding,
         not drained, down, failed or in maintenance."""
-        if not re.fullmatch(r"[A-Za-z0-9._-]+", partition):
+        if not _NAME.fullmatch(partition):
             raise InputError(f"{partition!r} is not a partition name")
         out = _run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %t"], what=f"partition {partition}")
         usable = ("idle", "alloc", "mix", "comp", "plnd")

@@ -53,12 +53,12 @@ import numpy as np
 
 from greyhound.control.events import append_event
 from greyhound.mitigate.microbatch import makespan, split_microbatches
-from greyhound.slurm_client import COMMENT_MAX_LEN
 from greyhound.control.store import MITIGATION_WATCH as WATCH_KEY
 from greyhound.control.store import PLAN as PLAN_KEY
 from greyhound.control.store import TRAINING_APPLIED as APPLIED_KEY
 from greyhound.control.store import TRAINING_CHECKPOINTED as CHECKPOINTED_KEY
 from greyhound.control.store import TRAINING_LAYOUT as LAYOUT_KEY
+from greyhound.slurm_client import COMMENT_MAX_LEN
 
 log = logging.getLogger(__name__)
 
@@ -227,29 +227,30 @@ class Planner:
                                 step_s=step_s or 0.0)
         if loss_s < cost_s:
             return
-        why = self._s4_refused(s4["nodes"])
+        layout = self._layout()
+        why = self._s4_refused(s4["nodes"], layout)
         if why:
             append_event(self.run_dir, "mitigation_skipped", level="S4", why=why, loss_s=loss_s,
                          cost_s=round(cost_s, 3))
             self.s4 = None
             return
-        layout = self._layout()
+        assert layout is not None    # _s4_refused said so
         self.version += 1
         s4.update(version=self.version, polls=0, loss_s=loss_s, cost_s=round(cost_s, 3))
-        split = list(self._current_split(layout))
+        split = self._current_split(layout)
         self.client.set(PLAN_KEY, json.dumps({"version": self.version, "microbatch_split": split,
                                               "checkpoint": True, "level": "S4", "why": s4["why"]}))
         append_event(self.run_dir, "mitigation", level="S4", version=self.version, why=s4["why"],
                      action=f"checkpoint, then requeue without {','.join(s4['nodes'])}", nodes=s4["nodes"],
                      loss_s=loss_s, cost_s=round(cost_s, 3))
 
-    def _s4_refused(self, nodes: list[str]) -> str | None:
+    def _s4_refused(self, nodes: list[str], layout: dict | None) -> str | None:
         """Why S4 may not run now (None: it may)."""
         if not self.config.requeue:
             return "S4 (requeue) is turned off for this job"
         if self.job is None or self.slurm is None:
             return "the control plane does not know its Slurm job"
-        if self._layout() is None:
+        if layout is None:
             return "the training processes do not call greyhound.mitigate: nobody would save a checkpoint"
         try:
             usable = self.slurm.schedulable_nodes(self.job["partition"])
@@ -296,11 +297,10 @@ class Planner:
         except Exception as exc:  # noqa: BLE001  (the job runs on where it is)
             append_event(self.run_dir, "mitigation_skipped", level="S4", why=f"requeue failed: {exc}")
 
-    def _current_split(self, layout: dict | None) -> list[int]:
+    def _current_split(self, layout: dict) -> list[int]:
+        """The split in force: the last plan's, else the job's own."""
         raw = self.client.get(PLAN_KEY)
-        if raw:
-            return list(json.loads(raw)["microbatch_split"])
-        return list(layout["microbatch_split"]) if layout else []
+        return list(json.loads(raw)["microbatch_split"] if raw else layout["microbatch_split"])
 
     def _publish(self, layout: dict, ranks: dict, *, why: str) -> None:
         default = list(layout["microbatch_split"])
