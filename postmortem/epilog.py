@@ -416,7 +416,9 @@ def requeue_note(run_dir: Path) -> str | None:
     for e in done[-3:]:
         nodes = ",".join(str(n) for n in e.get("nodes", []) if isinstance(n, str))[:80] or "?"
         parts.append(f"S4 requeued it without {nodes} after step {e.get('step')}: {str(e.get('why'))[:120]}")
-    return "; ".join(" ".join(p.split()) for p in parts) or None
+    # The events are the user's to write: only printable text reaches the record (the
+    # root side refuses a summary with anything else, and the post-mortem's with it).
+    return "; ".join(" ".join("".join(c if c.isprintable() else " " for c in p).split()) for p in parts) or None
 
 
 def _as_user_main(argv: list[str]) -> int:

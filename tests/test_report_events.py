@@ -213,6 +213,10 @@ def test_the_jobs_record_says_what_s4_did_even_without_a_post_mortem(tmp_path):
     summary = analyze_job("77", tmp_path)
     assert summary.startswith("greyhound: no post-mortem:")
     assert summary.endswith("; S4 requeued it without n3 after step 309: link fail-slow at n3"), summary
+    append_event(run_dir, "requeued", nodes=["n\x1b[31m4"], step=400, why="link\nfail-slow\x07 at n4")
+    summary = analyze_job("77", tmp_path)
+    assert summary.isprintable()
+    assert summary.endswith("; S4 requeued it without n [31m4 after step 400: link fail-slow at n4"), summary
 
 
 # --- a hostile or broken event log: one line in the report, never a traceback ---------
