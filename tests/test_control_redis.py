@@ -105,3 +105,38 @@ def test_the_server_goes_with_a_master_killed_without_clean_up(tmp_path):
     while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{pid}"), "redis-server outlived its killed master"
+
+
+def test_a_client_tries_a_gone_server_twice_at_most_and_fails():
+    """The control plane and the training side poll: a call to a Redis that is gone
+    must fail after one retry (redis-py's default retries ten times with backoff,
+    3.4 s, which outlived Slurm's KillWait at the job's end)."""
+    import socket
+    import threading
+
+    import redis
+
+    from greyhound.control.redis_server import RedisAddress
+
+    accepted = []
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        server.settimeout(0.5)
+
+        def hang_up() -> None:          # a server going away: it accepts, then closes
+            while True:
+                try:
+                    conn, _ = server.accept()
+                except OSError:
+                    return
+                accepted.append(conn)
+                conn.close()
+
+        thread = threading.Thread(target=hang_up, daemon=True)
+        thread.start()
+        client = RedisAddress(host="127.0.0.1", port=server.getsockname()[1], password="p").client()
+        with pytest.raises(redis.ConnectionError):
+            client.get("plane")
+        thread.join()
+    assert len(accepted) == 2

@@ -82,14 +82,8 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
     master = None
     try:
         if comm.rank == 0:
-            planner = None
-            if os.environ.get("GREYHOUND_MODE") == "mitigate":
-                from greyhound.mitigate.planner import Planner, PlannerConfig
-
-                planner = Planner(client, run_dir, config=PlannerConfig(
-                    requeue=os.environ.get("GREYHOUND_REQUEUE", "on") != "off"), job=_slurm_job(), slurm=_slurm())
             master = Master(run_dir, client, nodes=nodes, config=config.master, poll_s=config.agent.poll_s,
-                            planner=planner)
+                            planner=_planner(client, run_dir))
             append_event(run_dir, "control_plane_started", master_node=node, nodes=nodes,
                          poll_s=config.agent.poll_s, pid=os.getpid())
         # The master beats while it waits for the others too: an agent slowed by a
@@ -102,7 +96,7 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
             if not _together(comm, stop, beat):       # every agent has published this poll
                 break
             request = None
-            if master is not None:
+            if master is not None and not stop.requested:   # the job is ending: Redis may be gone
                 master.step()
                 request = master.take_request()
             if _bcast_flag(comm, request is not None, stop, beat):
@@ -130,6 +124,16 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
         assert redis_proc is not None  # rank 0 started it: the address is not None
         stop_redis(redis_proc)
     return 0
+
+
+def _planner(client, run_dir: Path):
+    """The mitigation planner under ``--greyhound=mitigate``; None in detect mode."""
+    if os.environ.get("GREYHOUND_MODE") != "mitigate":
+        return None
+    from greyhound.mitigate.planner import Planner, PlannerConfig
+
+    return Planner(client, run_dir, config=PlannerConfig(requeue=os.environ.get("GREYHOUND_REQUEUE", "on") != "off"),
+                   job=_slurm_job(), slurm=_slurm())
 
 
 def _slurm_job() -> dict | None:
@@ -171,11 +175,13 @@ def _wait(request, stop: _Stop, beat) -> bool:
 
 
 def _mark(client, run_dir: Path, state: str, **fields) -> None:
+    # The event log first: at the job's end Slurm signals Redis with this process and
+    # kills both KillWait seconds later; the log is what `greyhound status` reads then.
+    append_event(run_dir, "control_plane_stopped" if state == "stopped" else "control_plane_failed", **fields)
     try:
         store.set_plane_state(client, state, **fields)
-    except Exception:  # noqa: BLE001  (Redis is gone too: the event log still says it)
+    except Exception:  # noqa: BLE001  (Redis is gone too: the event log says it)
         pass
-    append_event(run_dir, "control_plane_stopped" if state == "stopped" else "control_plane_failed", **fields)
 
 
 def main() -> None:

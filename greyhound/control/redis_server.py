@@ -45,12 +45,19 @@ class RedisAddress:
     password: str
 
     def client(self, *, timeout_s: float = 2.0):
-        """A redis-py client with timeouts on every call (the control plane fails open)."""
+        """A redis-py client with timeouts on every call and one retry, at once (the
+        control plane fails open). redis-py 6+ retries a failed call ten times with
+        backoff, 3.4 s for a refused connection: at the job's end, when Redis goes
+        first, that outlived Slurm's KillWait before the master could mark the plane
+        stopped, and a training step reading the plan board of a dead master stalled as
+        long. The one retry is for a round trip that timed out on a congested link."""
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         return redis.Redis(host=self.host, port=self.port, password=self.password,
                            socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                           decode_responses=True)
+                           retry=Retry(NoBackoff(), 1), decode_responses=True)
 
 
 def _free_port(host: str) -> int:
