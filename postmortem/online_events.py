@@ -27,7 +27,7 @@ from postmortem.schema import Trace
 
 MARKERS: dict[str, str] = {
     "detected": "detection", "verdict": "verdict", "paused": "pause",
-    "recovered": "recovery", "back_to_tracking": "recovery",
+    "recovered": "recovery", "back_to_tracking": "recovery", "reexamining": "detection",
     "mitigation": "mitigation", "mitigation_ended": "mitigation",
 }
 """Event kind -> the plot marker it gets (the other kinds are listed, not marked)."""
@@ -325,6 +325,12 @@ def _back(e: dict) -> str:
     return "back to tracking" + (f": {why}" if why else "")
 
 
+def _reexamining(e: dict) -> str:
+    why, after = _str(e.get("why"), 160), _num(e.get("after_s"))
+    return _join("re-examining", f" after {after:.3g} s" if after is not None else None,
+                 f": {why}" if why else None)
+
+
 def _started(e: dict) -> str:
     nodes = e.get("nodes")
     num_nodes = len(nodes) if isinstance(nodes, list) else None
@@ -377,7 +383,7 @@ def _failed(e: dict) -> str:
 
 _SUMMARIES = {
     "detected": _detected, "suspects": _suspects, "paused": _paused, "validated": _validated,
-    "verdict": _verdict, "recovered": _recovered, "back_to_tracking": _back,
+    "verdict": _verdict, "recovered": _recovered, "back_to_tracking": _back, "reexamining": _reexamining,
     "control_plane_started": _started, "control_plane_failed": _failed,
     "control_plane_stopped": lambda e: "control plane stopped", "resumed": lambda e: "resumed",
     "mitigation": _mitigation, "mitigation_ended": _mitigation_ended, "requeued": _requeued,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 
@@ -100,7 +101,8 @@ def test_one_slow_rank_of_eight_is_not_a_slow_job(job):
 
 def _profiled(job, **kw):
     run_dir, client = job
-    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_polls=1), **kw)
+    kw.setdefault("config", MasterConfig(profile_polls=1))
+    master = Master(run_dir, client, nodes=NODES, **kw)
     publish(client, slow_ranks=range(8), late_rank=5)
     master.step()          # detected -> profiling
     master.step()          # suspects settled -> validating, a request
@@ -163,6 +165,59 @@ def test_after_the_last_round_confirms_nothing_the_verdict_is_unknown(job):
         master.step()
     assert master.episode.verdict["kind"] == "unknown" and master.state == "tracking"
     assert master.episode.verdict["why"].endswith("validation did not confirm it")
+
+
+def test_a_slowdown_that_outlasts_an_unknown_verdict_is_examined_again_after_a_doubling_hold_off(job):
+    # A false alarm's episode left the job "slow"; a straggler that starts meanwhile
+    # must still be named: the master profiles again once the hold-off has passed.
+    run_dir, client = job
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_polls=1, validation_rounds=1,
+                                                                       recheck_s=0.2))
+    unconfirmed = {"paused": True, "pause_s": 1.0, "park_s": 0.3, "slow_links": [],
+                   "results": [{"key": "compute:5", "rank": 5, "ratio": 1.02, "confirmed": False}]}
+    publish(client, slow_ranks=range(8), late_rank=5)
+    master.step()
+    master.step()
+    master.take_request()
+    master.complete_validation(unconfirmed)
+    assert master.episode.verdict["kind"] == "unknown" and master.state == "tracking"
+    master.step()                                    # within the hold-off: nothing
+    assert master.state == "tracking"
+    time.sleep(0.25)
+    master.step()
+    assert master.state == "profiling"
+    master.step()
+    assert master.take_request()["gemm_suspects"] == [5]
+    master.complete_validation(unconfirmed)          # a second "unknown": the hold-off doubles
+    time.sleep(0.25)
+    master.step()
+    assert master.state == "tracking"
+    time.sleep(0.2)
+    master.step()
+    master.step()
+    master.take_request()
+    master.complete_validation({**unconfirmed, "results": [{"key": "compute:5", "rank": 5, "ratio": 3.0,
+                                                            "confirmed": True}]})
+    assert (master.episode.verdict["kind"], master.episode.verdict["ranks"]) == ("compute", [5])
+    events = read_events(run_dir)
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("reexamining") == 2 and kinds.count("detected") == 1
+    assert [e["verdict"]["kind"] for e in events if e["kind"] == "verdict"] == ["unknown", "unknown", "compute"]
+    held = [e["after_s"] for e in events if e["kind"] == "reexamining"]
+    assert 0.2 <= held[0] < 0.4 and 0.4 <= held[1] < 0.6, held
+    publish(client)                                  # the slowdown ends: recovered, with the named verdict
+    master.step()
+    assert read_events(run_dir)[-1]["kind"] == "recovered" and read_events(run_dir)[-1]["verdict"] == "compute"
+
+
+def test_a_named_verdict_is_not_examined_again(job):
+    run_dir, client = job
+    master = _profiled(job, validate=False, config=MasterConfig(profile_polls=1, recheck_s=0.01))
+    time.sleep(0.05)
+    for _ in range(3):
+        master.step()
+    assert master.state == "tracking" and master.episode.verdict["kind"] == "compute"
+    assert "reexamining" not in [e["kind"] for e in read_events(run_dir)]
 
 
 def test_a_slow_link_found_by_the_p2p_tests_names_its_node(job):

@@ -5,6 +5,7 @@
     validating --(no suspect confirmed, a round left)--> profiling
     profiling/validating --(the slowdown ended meanwhile)--> tracking ("back_to_tracking")
     a verdict's slowdown ends --> "recovered"
+    an "unknown" verdict's slowdown lasts --(after a hold-off, doubled each time)--> profiling ("reexamining")
 
 Each decision is an event in the job's event log and the state is on the job's Redis,
 where `greyhound status` reads it. Validation (a consistent pause at the hook's gate,
@@ -52,6 +53,11 @@ class MasterConfig:
     """Validation rounds an episode may take: when one confirms none of the suspects
     (profiling caught a rank that waits on the straggler, not the straggler), profiling
     starts over once more before the verdict says "unknown"."""
+    recheck_s: float = 10.0
+    """A slowdown validation pinned on nobody is examined again when it lasts this long
+    after the verdict, then twice as long after each further "unknown": a fail-slow that
+    began while the job was already slow (a false alarm's episode) is still named, and
+    a lasting slowdown nobody causes costs ever fewer pauses."""
 
     def __post_init__(self) -> None:
         if not 0 < self.slow_rank_fraction <= 1:
@@ -60,6 +66,8 @@ class MasterConfig:
             raise ValueError(f"profile_polls={self.profile_polls} must be >= 1")
         if self.validation_rounds < 1:
             raise ValueError(f"validation_rounds={self.validation_rounds} must be >= 1")
+        if not self.recheck_s > 0:
+            raise ValueError(f"recheck_s={self.recheck_s} must be > 0")
 
 
 @dataclasses.dataclass
@@ -73,6 +81,10 @@ class _Episode:
     polls: int = 0
     rounds: int = 0
     """Validation rounds taken."""
+    unknowns: int = 0
+    """Verdicts that named nobody."""
+    verdict_at: float = 0.0
+    """time.monotonic() of the latest verdict."""
     verdict: dict | None = None
     ranks: dict = dataclasses.field(default_factory=dict)
     """The ranks' published state when validation was asked for."""
@@ -135,8 +147,20 @@ class Master:
             return
         if self.state == "profiling":
             self._profile(ep, ranks)
+        elif ep.verdict is not None and ep.verdict["kind"] == "unknown" and \
+                (held_s := time.monotonic() - ep.verdict_at) >= self.config.recheck_s * 2 ** (ep.unknowns - 1):
+            self._event("reexamining", why="the job is still slow after a verdict that named nobody",
+                        after_s=round(held_s, 2))
+            ep.rounds = 0
+            self._profile_again(ep)
         else:
             store.set_plane_state(self.client, self.state)
+
+    def _profile_again(self, ep: _Episode) -> None:
+        ep.votes.clear()
+        ep.suspects.clear()
+        ep.settled, ep.polls = [], 0
+        self._set("profiling")
 
     def _profile(self, ep: _Episode, ranks: dict) -> None:
         stats = store.read_comm_stats(self.client, ranks)
@@ -220,12 +244,11 @@ class Master:
             self._event("validated", **{k: v for k, v in outcome.items() if k != "results"}, results=results,
                         **({"next": "nothing confirmed: profiling again"} if again else {}))
         if again:
-            ep.votes.clear()
-            ep.suspects.clear()
-            ep.settled, ep.polls = [], 0
-            self._set("profiling")
+            self._profile_again(ep)
             return
         ep.verdict = verdict
+        ep.verdict_at = time.monotonic()
+        ep.unknowns += verdict["kind"] == "unknown"
         self.client.rpush(store.VERDICTS, store.dumps(ep.verdict))
         self._event("verdict", verdict=ep.verdict)
         # The ranks as they stood before the round: the other nodes' agents publish
