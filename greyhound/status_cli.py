@@ -24,6 +24,8 @@ from greyhound.plugstack import read_plugstack
 from greyhound.slurm_client import check_job_id
 
 EVENTS_SHOWN = 10
+STOP_GRACE_S = 3.0
+"""How long status waits for the plane's last event once the job's Redis is gone."""
 
 
 def job_status(job_id: str, *, rundir: Path | None = None) -> dict:
@@ -51,6 +53,7 @@ def job_status(job_id: str, *, rundir: Path | None = None) -> dict:
     try:
         state = store.read_job(address.client(timeout_s=2.0))
     except Exception as exc:  # noqa: BLE001  (the server is gone: the job ended, or the master died)
+        out["events"] = _events_once_redis_is_gone(run_dir)
         kinds = [e["kind"] for e in out["events"]]
         if "control_plane_stopped" in kinds:
             out["control_plane"] = "stopped"
@@ -68,6 +71,20 @@ def job_status(job_id: str, *, rundir: Path | None = None) -> dict:
         out["control_plane"] = "failed"
         out["why"] = f"the master has been silent for {time.time() - heartbeat:.0f}s"
     return out
+
+
+def _events_once_redis_is_gone(run_dir: Path) -> list[dict]:
+    """The latest events, read again once the job's Redis did not answer. Slurm signals
+    the step's processes together at the job's end: Redis is gone in milliseconds, the
+    master writes ``control_plane_stopped`` a moment later (it has KillWait). A plane
+    that ended well says so within STOP_GRACE_S; one that died never does."""
+    deadline = time.monotonic() + STOP_GRACE_S
+    while True:
+        events = read_events(run_dir)[-EVENTS_SHOWN:]
+        if any(e["kind"] in ("control_plane_stopped", "control_plane_failed") for e in events) or \
+                time.monotonic() >= deadline:
+            return events
+        time.sleep(0.1)
 
 
 def _no_run_dir_reason(job_id: str, run_dir: Path) -> str:
