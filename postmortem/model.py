@@ -494,35 +494,57 @@ def _occurrence(step_idx, dp, pp, code, start, *, D: int, P: int, N: int) -> np.
     time order, so the stable order already is the start order), with the float
     lexsort only when some group is not.
     """
+    order, index_in_run = _sorted_runs(step_idx, dp, pp, code, start, D=D, P=P, N=N)
+    occ = np.empty_like(index_in_run)
+    occ[order] = index_in_run
+    return occ
+
+
+def _sorted_runs(step_idx, dp, pp, code, start, *, D: int, P: int, N: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows in (step, dp, pp, optype, start) order: (the order (n,), each sorted
+    row's index within its (step, dp, pp, optype) run (n,)).
+
+    Each helper's temporaries (sorted keys and starts, run marks and ids) are as large
+    as the rows, millions on a large trace: they die when the helper returns.
+    """
+    order, run_start = _start_order(step_idx, dp, pp, code, start, D=D, P=P, N=N)
+    return order, _index_in_run(run_start)
+
+
+def _start_order(step_idx, dp, pp, code, start, *, D: int, P: int, N: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows sorted by (step, dp, pp, optype), then start: (the order (n,), (n,) bool:
+    the sorted row begins a new (step, dp, pp, optype) run)."""
     n_codes = len(OPTYPES)
     key_max = N * D * P * n_codes
-    kdt = np.int32 if key_max < np.iinfo(np.int32).max else np.int64
-    worker_key = ((step_idx.astype(kdt) * D + dp.astype(kdt)) * P + pp.astype(kdt)) * n_codes + code.astype(kdt)
+    key_dtype = np.int32 if key_max < np.iinfo(np.int32).max else np.int64
+    worker_key = ((step_idx.astype(key_dtype) * D + dp.astype(key_dtype)) * P
+                  + pp.astype(key_dtype)) * n_codes + code.astype(key_dtype)
     order = np.argsort(worker_key, kind="stable")
-    wk = worker_key[order]
-    s = start[order]
-    boundary = np.empty(wk.size, bool)
-    boundary[0] = True
-    np.not_equal(wk[1:], wk[:-1], out=boundary[1:])
-    if not (boundary[1:] | (s[1:] >= s[:-1])).all():
+    sorted_key = worker_key[order]
+    sorted_start = start[order]
+    run_start = np.empty(sorted_key.size, bool)
+    run_start[0] = True
+    np.not_equal(sorted_key[1:], sorted_key[:-1], out=run_start[1:])
+    if not (run_start[1:] | (sorted_start[1:] >= sorted_start[:-1])).all():
         order = np.lexsort((start, worker_key))
-        wk = worker_key[order]
-        np.not_equal(wk[1:], wk[:-1], out=boundary[1:])
-    del s, wk, worker_key
-    first = np.flatnonzero(boundary)
-    idt = np.int32 if boundary.size < np.iinfo(np.int32).max else np.int64
-    run_id = np.cumsum(boundary, dtype=idt) - 1
-    occ_sorted = np.arange(boundary.size, dtype=idt) - first.astype(idt)[run_id]
-    del run_id, boundary
-    occ = np.empty_like(occ_sorted)
-    occ[order] = occ_sorted
-    return occ
+        sorted_key = worker_key[order]
+        np.not_equal(sorted_key[1:], sorted_key[:-1], out=run_start[1:])
+    return order, run_start
+
+
+def _index_in_run(run_start: np.ndarray) -> np.ndarray:
+    """(n,) each sorted row's index within its run (``run_start`` marks each run's first row),
+    on the smallest integer dtype that holds it."""
+    first = np.flatnonzero(run_start)
+    index_dtype = np.int32 if run_start.size < np.iinfo(np.int32).max else np.int64
+    run_id = np.cumsum(run_start, dtype=index_dtype) - 1
+    return np.arange(run_start.size, dtype=index_dtype) - first.astype(index_dtype)[run_id]
 
 
 _TRANSFER_CHUNK_CELLS = 1 << 21  # cells per temporary of the transfer pass (16 MB)
 
 
-def _transfer(S, U, present, group, g_spans, is_comm) -> np.ndarray:
+def _transfer(start, duration, present, group, group_spans, is_comm) -> np.ndarray:
     """(n_t, D, N) work of each op: its duration, or for communication its end minus the
     latest start among its group (over DP ranks too for DP groups), clipped to
     [0, duration]; 0 where the op is absent.
@@ -530,34 +552,37 @@ def _transfer(S, U, present, group, g_spans, is_comm) -> np.ndarray:
     Only communication rows are touched, group by group and a few steps at a time, so
     the temporaries stay small (fresh memory is what a large trace pays for).
     """
-    transfer = U.copy()
+    transfer = duration.copy()
     comm = np.flatnonzero(is_comm)
     if comm.size:
+        # the communication ops sorted by group: each group is one run of rows
         rows = comm[np.argsort(group[comm], kind="stable")]
-        g = group[rows]
-        gb = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
-        sizes = np.diff(np.r_[gb, g.size])
-        last = gb + sizes - 1
-        gid = np.repeat(np.arange(gb.size), sizes)
-        span = g_spans[g[gb]]
-        any_span = bool(span.any())
-        pres_rows = present[rows][:, :, None]  # (n_c, D, 1)
-        all_present = bool(pres_rows.all())
-        D, N = S.shape[1], S.shape[2]
+        row_group = group[rows]
+        group_first = np.flatnonzero(np.r_[True, row_group[1:] != row_group[:-1]])
+        group_size = np.diff(np.r_[group_first, row_group.size])
+        group_last = group_first + group_size - 1
+        group_of_row = np.repeat(np.arange(group_first.size), group_size)
+        spans_dp = group_spans[row_group[group_first]]
+        any_spans_dp = bool(spans_dp.any())
+        row_present = present[rows][:, :, None]  # (n_c, D, 1)
+        all_present = bool(row_present.all())
+        D, N = start.shape[1], start.shape[2]
         chunk = max(1, _TRANSFER_CHUNK_CELLS // max(rows.size * D, 1))
         for n0 in range(0, N, chunk):
-            sl = slice(n0, min(N, n0 + chunk))
-            s_r, u_r = S[rows, :, sl], U[rows, :, sl]
-            s_m = s_r if all_present else np.where(pres_rows, s_r, -np.inf)
-            gmax = s_m[gb]
-            for j in range(1, int(sizes.max())):
-                np.maximum(gmax, s_m[np.minimum(gb + j, last)], out=gmax)
-            if any_span:
-                gmax[span] = gmax[span].max(axis=1, keepdims=True)
-            end = s_r + u_r
-            end -= gmax[gid]
-            np.clip(end, 0.0, u_r, out=end)
-            transfer[rows, :, sl] = end
+            steps = slice(n0, min(N, n0 + chunk))
+            row_start, row_duration = start[rows, :, steps], duration[rows, :, steps]
+            # an absent op's start must not count towards its group's latest start
+            counted_start = row_start if all_present else np.where(row_present, row_start, -np.inf)
+            latest_start = counted_start[group_first]
+            for member in range(1, int(group_size.max())):
+                np.maximum(latest_start, counted_start[np.minimum(group_first + member, group_last)],
+                           out=latest_start)
+            if any_spans_dp:
+                latest_start[spans_dp] = latest_start[spans_dp].max(axis=1, keepdims=True)
+            end = row_start + row_duration
+            end -= latest_start[group_of_row]
+            np.clip(end, 0.0, row_duration, out=end)
+            transfer[rows, :, steps] = end
     if not present.all():
         transfer[~present] = 0.0
     return transfer
@@ -569,9 +594,10 @@ def _fmt_list(values, limit: int = 10) -> str:
 
 
 def _chain_preds(template: _Template) -> np.ndarray:
-    """Padded predecessor lists (n_t, K); the sentinel n_t means 'the step's start'."""
-    t_pp, t_code, S, present = template.pp, template.code, template.start, template.present
-    n_t, num_steps = t_pp.size, S.shape[2]
+    """Padded predecessor lists (n_t, K), K the most predecessors of any op; the sentinel
+    n_t means 'the step's start'."""
+    t_pp, t_code, start, present = template.pp, template.code, template.start, template.present
+    n_t, num_steps = t_pp.size, start.shape[2]
     # fused slots: consecutive p2p ops on one worker that start together in most instances
     same_pp = np.zeros(n_t, bool)
     same_pp[1:] = t_pp[1:] == t_pp[:-1]
@@ -579,29 +605,30 @@ def _chain_preds(template: _Template) -> np.ndarray:
     is_p2p = np.isin(t_code, list(P2P_CODES))
     both_p2p[1:] = is_p2p[1:] & is_p2p[:-1]
     fused = np.zeros(n_t, bool)  # fused[i]: op i is in the same slot as op i-1
-    cand = np.flatnonzero(same_pp & both_p2p)
-    if cand.size:
-        both = (present[cand] & present[cand - 1])[:, :, None]  # (n_cand, D, 1)
-        close = (np.abs(S[cand] - S[cand - 1]) <= FUSE_TOLERANCE_S) & both
-        fused[cand] = close.sum(axis=(1, 2)) * 2 >= np.maximum(both.sum(axis=(1, 2)) * num_steps, 1)
+    candidates = np.flatnonzero(same_pp & both_p2p)
+    if candidates.size:
+        both_present = (present[candidates] & present[candidates - 1])[:, :, None]  # (n_cand, D, 1)
+        close = (np.abs(start[candidates] - start[candidates - 1]) <= FUSE_TOLERANCE_S) & both_present
+        fused[candidates] = (close.sum(axis=(1, 2)) * 2
+                             >= np.maximum(both_present.sum(axis=(1, 2)) * num_steps, 1))
     preds: list[list[int]] = [[] for _ in range(n_t)]
     i = 0
     while i < n_t:
-        p = t_pp[i]
+        stage = t_pp[i]
         prev_slot: list[int] = []
         pending_async: list[int] = []
         last_dp_async: int | None = None
-        while i < n_t and t_pp[i] == p:
+        while i < n_t and t_pp[i] == stage:
             slot = [i]
             while i + 1 < n_t and fused[i + 1]:
                 i += 1
                 slot.append(i)
             for j in slot:
-                c = int(t_code[j])
+                op_code = int(t_code[j])
                 extra = []
-                if c in DP_GROUP_CODES and last_dp_async is not None:
+                if op_code in DP_GROUP_CODES and last_dp_async is not None:
                     extra.append(last_dp_async)
-                if c in SYNC_POINT_CODES:
+                if op_code in SYNC_POINT_CODES:
                     extra.extend(pending_async)
                 preds[j] = list(prev_slot) + extra
             if len(slot) == 1 and int(t_code[slot[0]]) in ASYNC_CODES:
@@ -612,10 +639,11 @@ def _chain_preds(template: _Template) -> np.ndarray:
                     pending_async = []
                 prev_slot = slot
             i += 1
-    K = max(1, max(len(x) for x in preds))  # noqa: PLW3301  (flattened, no preds would raise TypeError)
-    pred = np.full((n_t, K), n_t, dtype=np.int64)
-    for j, x in enumerate(preds):
-        pred[j, : len(x)] = x
+    # not max(1, *lengths) (ruff's PLW3301): flattened, no preds would raise TypeError
+    max_preds = max(1, max(len(op_preds) for op_preds in preds))  # noqa: PLW3301
+    pred = np.full((n_t, max_preds), n_t, dtype=np.int64)
+    for j, op_preds in enumerate(preds):
+        pred[j, : len(op_preds)] = op_preds
     return pred
 
 
@@ -731,23 +759,24 @@ def _group_levels(pred: np.ndarray, group: np.ndarray, *, where: str) -> np.ndar
     few edges per template op, and a numpy pass per frontier costs more than a loop.
     """
     n_t = pred.shape[0]
-    n_g = int(group.max()) + 1
+    num_groups = int(group.max()) + 1
     rows, cols = np.nonzero(pred != n_t)
-    succ: list[list[int]] = [[] for _ in range(n_g)]
-    indeg = [0] * n_g
-    for s, d in zip(group[pred[rows, cols]].tolist(), group[rows].tolist()):
-        succ[s].append(d)
-        indeg[d] += 1
-    level = [1] * n_g
-    queue = [g for g in range(n_g) if indeg[g] == 0]
-    for g in queue:  # grows while it is walked
-        lg = level[g] + 1
-        for h in succ[g]:
-            if level[h] < lg:
-                level[h] = lg
-            indeg[h] -= 1
-            if indeg[h] == 0:
-                queue.append(h)
-    if len(queue) < n_g:
+    succ: list[list[int]] = [[] for _ in range(num_groups)]
+    indeg = [0] * num_groups
+    # an edge from the group of each pred to the group of the op waiting for it
+    for pred_group, op_group in zip(group[pred[rows, cols]].tolist(), group[rows].tolist()):
+        succ[pred_group].append(op_group)
+        indeg[op_group] += 1
+    level = [1] * num_groups
+    queue = [g for g in range(num_groups) if indeg[g] == 0]
+    for placed in queue:  # grows while it is walked
+        next_level = level[placed] + 1
+        for succ_group in succ[placed]:
+            if level[succ_group] < next_level:
+                level[succ_group] = next_level
+            indeg[succ_group] -= 1
+            if indeg[succ_group] == 0:
+                queue.append(succ_group)
+    if len(queue) < num_groups:
         raise InputError(f"{where}: the ops' order deadlocks (a cycle through p2p or collective groups)")
     return np.asarray(level, np.int64)[group]
