@@ -71,7 +71,7 @@ class SyntheticJob:
     gpus_per_node: int = 8
     """Workers per node, for the worker -> node map."""
     seed: int = 0
-    """Seed of every random draw."""
+    """Seed of every random draw, when :func:`generate` is given no generator."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "num_microbatches", "num_steps", "samples_per_microbatch", "gpus_per_node"):
@@ -155,9 +155,10 @@ def stage_program(p: int, P: int, M: int) -> list[list[tuple[str, int]]]:
     return [ins for ins in prog if ins]
 
 
-def generate(job: SyntheticJob) -> tuple[Trace, Truth]:
-    """Generate a trace of ``job`` and the truth about its stragglers (pure, seeded)."""
-    rng = np.random.default_rng(job.seed)
+def generate(job: SyntheticJob, *, rng: np.random.Generator | None = None) -> tuple[Trace, Truth]:
+    """Generate a trace of ``job`` and the truth about its stragglers, every random draw
+    from ``rng`` (None: a generator seeded with ``job.seed``, the same trace for a job)."""
+    rng = np.random.default_rng(job.seed) if rng is None else rng
     D, P, M, N = job.dp, job.pp, job.num_microbatches, job.num_steps
     slow = np.ones((D, P))
     for d, p, f in job.slow_workers:

@@ -122,6 +122,16 @@ def test_generator_is_seeded():
     assert ta.measured_slowdown == tb.measured_slowdown
 
 
+def test_generator_takes_an_rng():
+    job = SyntheticJob(noise=0.05, gc_prob=0.3, seqlen_max=64, seed=3)
+    seeded, _ = generate(job)
+    given, _ = generate(job, rng=np.random.default_rng(3))
+    other, _ = generate(job, rng=np.random.default_rng(4))
+    np.testing.assert_array_equal(seeded.ops["start"], given.ops["start"])
+    np.testing.assert_array_equal(seeded.seqlens["lengths"], given.seqlens["lengths"])
+    assert not np.array_equal(seeded.ops["start"], other.ops["start"])
+
+
 def test_a_schedules_own_step_start_skew_is_replayed_and_not_a_straggler():
     # Steps that overlap without a job-wide sync: the first stage starts 30 ms late
     # every step. Replayed from 0 the trace would come out ~10% short.
