@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import skip_for_hardware
 from greyhound.analytics.bocd import BocdConfig
 from greyhound.analytics.synthetic import labelled_series
 from greyhound.analytics.verify import (
@@ -68,7 +69,7 @@ def test_labelled_jobs_give_the_references_change_points(exact_math):
 
 def test_exact_math_posterior_is_bit_identical_to_the_reference():
     if not _libm_is_numpys():
-        pytest.skip("numpy's float64 exp/log are not libm's on this CPU (AVX-512)")
+        skip_for_hardware("AVX-512", "numpy's float64 exp/log are not libm's on this CPU")
     x, _ = labelled_series(np.random.default_rng(3), num_jobs=1, min_iterations=600, max_iterations=600)[0]
     kernel, reference = BocdV(exact_math=True), ReferenceBocdV()
     for value in x.tolist():
