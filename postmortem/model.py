@@ -421,32 +421,35 @@ def _groups(template: _Template, *, num_stages: int, where: str) -> tuple[np.nda
     group reduces over DP ranks too).  InputError for a p2p op whose peer is
     on no stage.
     """
-    pp, code, occ, P = template.pp, template.code, template.occ, num_stages
+    pp, code, occ = template.pp, template.code, template.occ
     n_t = pp.size
-    op_at = {(int(p), int(c), int(o)): i for i, (p, c, o) in enumerate(zip(pp, code, occ))}
+    op_at = {
+        (int(stage), int(op_code), int(occurrence)): i
+        for i, (stage, op_code, occurrence) in enumerate(zip(pp, code, occ))
+    }
     group = np.arange(n_t)
-    spans = np.zeros(n_t, bool)
+    op_spans = np.zeros(n_t, bool)  # the op's group reduces over DP ranks
     for i in range(n_t):  # template size, not op count: O(PP x ops per stage)
-        c = int(code[i])
-        if c in P2P_PEER:
-            recv_code, offset = P2P_PEER[c]
-            j = op_at.get((int(pp[i]) + offset, recv_code, int(occ[i])))
-            if j is None:
+        op_code = int(code[i])
+        if op_code in P2P_PEER:
+            recv_code, offset = P2P_PEER[op_code]
+            peer = op_at.get((int(pp[i]) + offset, recv_code, int(occ[i])))
+            if peer is None:
                 raise InputError(
-                    f"{where}: unmatched p2p: {OPTYPES[c]} #{int(occ[i])} of stage {int(pp[i])} "
+                    f"{where}: unmatched p2p: {OPTYPES[op_code]} #{int(occ[i])} of stage {int(pp[i])} "
                     f"has no {OPTYPES[recv_code]} on stage {int(pp[i]) + offset}"
                 )
-            group[j] = group[i]
-        elif c in DP_GROUP_CODES:
-            spans[i] = True
-        elif c == _C["embedding-grads-all-reduce"] and pp[i] == P - 1 and P > 1:
-            j = op_at.get((0, c, int(occ[i])))
-            if j is not None:
-                group[i] = group[j]
-        elif c == _C["optimizer-clip-main-grad"]:
-            j = op_at.get((0, c, int(occ[i])))
-            group[i] = group[j] if j is not None else i
-            spans[i] = True
+            group[peer] = group[i]
+        elif op_code in DP_GROUP_CODES:
+            op_spans[i] = True
+        elif op_code == _C["embedding-grads-all-reduce"] and pp[i] == num_stages - 1 and num_stages > 1:
+            first_stage_op = op_at.get((0, op_code, int(occ[i])))
+            if first_stage_op is not None:
+                group[i] = group[first_stage_op]
+        elif op_code == _C["optimizer-clip-main-grad"]:
+            first_stage_op = op_at.get((0, op_code, int(occ[i])))
+            group[i] = group[first_stage_op] if first_stage_op is not None else i
+            op_spans[i] = True
     # a send joins its receive's group above: a receive still alone has no send
     for i in range(n_t):
         if code[i] in (_C["forward-recv"], _C["backward-recv"]) and group[i] == i:
@@ -456,7 +459,7 @@ def _groups(template: _Template, *, num_stages: int, where: str) -> tuple[np.nda
             )
     _, group = np.unique(group, return_inverse=True)
     group_spans = np.zeros(group.max() + 1, bool)
-    np.logical_or.at(group_spans, group, spans)
+    np.logical_or.at(group_spans, group, op_spans)
     return group, group_spans
 
 
@@ -655,20 +658,21 @@ def _levels(pred: np.ndarray, group: np.ndarray, spans: np.ndarray, *, where: st
     loop per level costs more than the walk itself on small traces.
     """
     n_t = pred.shape[0]
-    lv = _group_levels(pred, group, where=where)
-    # within a level: singletons, then per group size k, member 0 of every group, member
+    group_level = _group_levels(pred, group, where=where)
+    # within a level: singletons, then per group size, member 0 of every group, member
     # 1 of every group, ... (see Level.group_blocks)
-    size = np.bincount(group)[group]
+    group_size = np.bincount(group)[group]  # (n_t,) member count of each op's group
     by_group = np.lexsort((np.arange(n_t), group))
-    g_sorted = group[by_group]
-    g_first = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
-    member = np.empty(n_t, np.int64)
-    member[by_group] = np.arange(n_t) - np.repeat(g_first, np.diff(np.r_[g_first, n_t]))
-    order = np.lexsort((group, member, size, lv))
-    lv_s = lv[order]
-    new_level = np.r_[True, lv_s[1:] != lv_s[:-1]]
-    lstart = np.flatnonzero(new_level)  # (L,) first position of each level
-    lend = np.r_[lstart[1:], n_t]
+    sorted_groups = group[by_group]
+    # (n_groups,) position in by_group of each group's first member
+    group_first = np.flatnonzero(np.r_[True, sorted_groups[1:] != sorted_groups[:-1]])
+    member = np.empty(n_t, np.int64)  # (n_t,) the op's index among its group's members
+    member[by_group] = np.arange(n_t) - np.repeat(group_first, np.diff(np.r_[group_first, n_t]))
+    order = np.lexsort((group, member, group_size, group_level))  # the walk order
+    level_in_order = group_level[order]
+    new_level = np.r_[True, level_in_order[1:] != level_in_order[:-1]]
+    level_start = np.flatnonzero(new_level)  # (L,) first position of each level
+    level_end = np.r_[level_start[1:], n_t]
     level_no = np.empty(n_t, np.int64)
     level_no[order] = np.cumsum(new_level) - 1
 
@@ -677,45 +681,49 @@ def _levels(pred: np.ndarray, group: np.ndarray, spans: np.ndarray, *, where: st
     rows, cols = np.nonzero(pred != n_t)
     last_use = np.full(n_t, -1, np.int64)
     np.maximum.at(last_use, pred[rows, cols], level_no[rows])
-    slot_of, block, n_slots = _assign_blocks(order, level_no, last_use, lstart, lend)
-    slot_of = np.r_[slot_of, n_slots]  # the step's start: the buffer's last (all-zero) row
+    buffer_row, block, buffer_rows = _assign_blocks(order, level_no, last_use, level_start, level_end)
+    buffer_row = np.r_[buffer_row, buffer_rows]  # the step's start: the buffer's last (all-zero) row
 
-    n_pred = (pred != n_t).sum(axis=1)[order]
-    k_level = np.maximum(np.maximum.reduceat(n_pred, lstart), 1)
-    pred_s = pred[order]
-    read_s = slot_of[pred_s]
-    sink_s = last_use[order] < 0
-    span_s = spans[order]
-    size_s = size[order]
-    seg = np.flatnonzero(new_level | np.r_[True, size_s[1:] != size_s[:-1]])
-    seg_len = np.diff(np.r_[seg, n_t])
-    blocks: list[list[tuple[int, int, int]]] = [[] for _ in lstart]
-    for a, length in zip(seg.tolist(), seg_len.tolist()):
-        k = int(size_s[a])
-        if k > 1:
-            i = int(level_no[order[a]])
-            blocks[i].append((a - int(lstart[i]), length // k, k))
+    pred_count_in_order = (pred != n_t).sum(axis=1)[order]
+    # each level's pred width: its ops' max pred count (at least 1 column)
+    level_width = np.maximum(np.maximum.reduceat(pred_count_in_order, level_start), 1)
+    pred_in_order = pred[order]
+    read_in_order = buffer_row[pred_in_order]
+    is_sink_in_order = last_use[order] < 0
+    spans_in_order = spans[order]
+    group_size_in_order = group_size[order]
+    # runs of one group size within a level: a run of groups of k > 1 members is k blocks
+    run_start = np.flatnonzero(new_level | np.r_[True, group_size_in_order[1:] != group_size_in_order[:-1]])
+    run_length = np.diff(np.r_[run_start, n_t])
+    group_blocks: list[list[tuple[int, int, int]]] = [[] for _ in level_start]
+    for first, length in zip(run_start.tolist(), run_length.tolist()):
+        run_group_size = int(group_size_in_order[first])
+        if run_group_size > 1:
+            level = int(level_no[order[first]])
+            group_blocks[level].append((first - int(level_start[level]), length // run_group_size, run_group_size))
 
-    out = []
-    for i, (a, b) in enumerate(zip(lstart.tolist(), lend.tolist())):
-        k = int(k_level[i])
-        sp = np.flatnonzero(span_s[a:b])
-        sinks = np.flatnonzero(sink_s[a:b])
-        out.append(
+    levels = []
+    for level, (first, end) in enumerate(zip(level_start.tolist(), level_end.tolist())):
+        width = int(level_width[level])
+        span_positions = np.flatnonzero(spans_in_order[first:end])
+        sink_positions = np.flatnonzero(is_sink_in_order[first:end])
+        levels.append(
             Level(
-                ops=order[a:b],
-                pred=pred_s[a:b, :k],
-                spans=sp if sp.size else None,
-                group_blocks=tuple(blocks[i]),
-                read=read_s[a:b, :k],
-                block=int(block[i]),
-                sinks=sinks if sinks.size else None,
+                ops=order[first:end],
+                pred=pred_in_order[first:end, :width],
+                spans=span_positions if span_positions.size else None,
+                group_blocks=tuple(group_blocks[level]),
+                read=read_in_order[first:end, :width],
+                block=int(block[level]),
+                sinks=sink_positions if sink_positions.size else None,
             )
         )
-    return tuple(out), n_slots
+    return tuple(levels), buffer_rows
 
 
-def _assign_blocks(order, level_no, last_use, lstart, lend) -> tuple[np.ndarray, np.ndarray, int]:
+def _assign_blocks(
+    order: np.ndarray, level_no: np.ndarray, last_use: np.ndarray, level_start: np.ndarray, level_end: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Buffer rows for the walk: each level's ends go to one contiguous block (so they
     are written in place, not scattered), and a row is reused once its op is dead.
 
@@ -724,30 +732,37 @@ def _assign_blocks(order, level_no, last_use, lstart, lend) -> tuple[np.ndarray,
     L is past its own level.  First fit over the free rows.  Returns (row per op,
     first row of each level's block, buffer rows).
     """
-    n_t, n_levels = order.size, lstart.size
-    avail = np.where(last_use >= 0, last_use, level_no + 1)
-    by_avail = np.argsort(avail, kind="stable")
-    released = np.split(by_avail, np.searchsorted(avail[by_avail], np.arange(1, n_levels + 1)))
-    slot = np.full(n_t, -1, np.int64)
+    n_t, n_levels = order.size, level_start.size
+    free_from = np.where(last_use >= 0, last_use, level_no + 1)  # first level that may reuse the op's row
+    by_free_from = np.argsort(free_from, kind="stable")
+    # released[level]: the ops whose rows become free for that level's block
+    released = np.split(by_free_from, np.searchsorted(free_from[by_free_from], np.arange(1, n_levels + 1)))
+    row_of_op = np.full(n_t, -1, np.int64)
     block = np.empty(n_levels, np.int64)
-    used = np.zeros(0, bool)
-    for i in range(n_levels):
-        if released[i].size:
-            used[slot[released[i]]] = False
-        n = int(lend[i] - lstart[i])
+    used = np.zeros(0, bool)  # per buffer row: it holds a live op's end
+    for level in range(n_levels):
+        if released[level].size:
+            used[row_of_op[released[level]]] = False
+        block_size = int(level_end[level] - level_start[level])
         free = ~used
-        cs = np.concatenate([[0], np.cumsum(free)])
-        fits = np.flatnonzero(cs[n:] - cs[:-n] == n) if used.size >= n else np.zeros(0, np.int64)
+        # free_prefix[r]: free rows before row r, so that rows r .. r + n - 1 are all free
+        # when free_prefix[r + n] - free_prefix[r] == n: one vectorised test for every r
+        free_prefix = np.concatenate([[0], np.cumsum(free)])
+        fits = (
+            np.flatnonzero(free_prefix[block_size:] - free_prefix[:-block_size] == block_size)
+            if used.size >= block_size
+            else np.zeros(0, np.int64)
+        )
         if fits.size:
-            at = int(fits[0])
+            first_row = int(fits[0])
         else:  # append, reusing a free tail
             busy = np.flatnonzero(used)
-            at = int(busy[-1]) + 1 if busy.size else 0
-            used = np.concatenate([used, np.zeros(max(0, at + n - used.size), bool)])
-        used[at : at + n] = True
-        slot[order[lstart[i] : lend[i]]] = np.arange(at, at + n)
-        block[i] = at
-    return slot, block, int(used.size)
+            first_row = int(busy[-1]) + 1 if busy.size else 0
+            used = np.concatenate([used, np.zeros(max(0, first_row + block_size - used.size), bool)])
+        used[first_row : first_row + block_size] = True
+        row_of_op[order[level_start[level] : level_end[level]]] = np.arange(first_row, first_row + block_size)
+        block[level] = first_row
+    return row_of_op, block, int(used.size)
 
 
 def _group_levels(pred: np.ndarray, group: np.ndarray, *, where: str) -> np.ndarray:
