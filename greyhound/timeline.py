@@ -39,22 +39,6 @@ log = logging.getLogger(__name__)
 FORMAT_NAME = "greyhound-timeline"
 FORMAT_VERSION = 1
 
-# The op types a training rank records (names as in postmortem.schema.OPTYPES; not
-# imported from there so the training job does not pull in h5py).
-RECORDED_OPTYPES: frozenset[str] = frozenset(
-    {
-        "forward-compute",
-        "backward-compute",
-        "forward-send",
-        "forward-recv",
-        "backward-send",
-        "backward-recv",
-        "grads-all-reduce",
-        "optimizer",
-        "gc",
-    }
-)
-
 
 def rank_file_name(rank: int) -> str:
     """Name of rank ``rank``'s file inside a trace dir."""
