@@ -21,7 +21,7 @@ import numpy as np
 
 from greyhound.analytics.detect import METHODS, Detection, detect_series
 from greyhound.analytics.period import iteration_times_from_calls
-from greyhound.errors import InputError
+from greyhound.errors import InputError, first_line, read_input_file
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def read_detect_input(path: str) -> DetectInput:
             ),
         )
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
-        raise InputError(f"{path}: not a readable CSV: {_first_line(exc)}") from None
+        raise InputError(f"{path}: not a readable CSV: {first_line(exc)}") from None
     except UnicodeDecodeError:
         raise InputError(f"{path}: not a readable CSV: the header is not UTF-8 text") from None
     table = table.rename_columns(names)
@@ -128,20 +128,7 @@ def read_detect_input(path: str) -> DetectInput:
 def _read_bytes(path: str) -> bytes:
     if path == "-":
         return sys.stdin.buffer.read()
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise InputError(f"{path}: is a directory, expected a CSV file") from None
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read: {exc.strerror}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    return read_input_file(path, expected="a CSV file")
 
 
 def _check_unique(path: str, names: list[str]) -> None:

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from greyhound.atomic_file import atomic_file
-from greyhound.errors import InputError
+from greyhound.errors import InputError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -433,7 +433,7 @@ def _read_trace_here(where: str) -> Trace:
     except FileNotFoundError:
         raise InputError(f"{where}: no such file") from None
     except _H5_ERRORS as exc:
-        raise InputError(f"{where}: not a readable HDF5 file (truncated or corrupt?): {_one_line(exc)}") from None
+        raise InputError(f"{where}: not a readable HDF5 file (truncated or corrupt?): {first_line(exc)}") from None
     try:
         with f:
             meta, file_optypes = _read_attrs(f, where=where)
@@ -449,18 +449,12 @@ def _read_trace_here(where: str) -> Trace:
             workers = _read_group(f, "workers", WORKER_COLUMNS, where=where)
             seqlens = _read_group(f, "seqlens", SEQLEN_COLUMNS, where=where) if "seqlens" in f else None
     except _H5_ERRORS as exc:
-        raise InputError(f"{where}: HDF5 read failed (truncated or corrupt?): {_one_line(exc)}") from None
+        raise InputError(f"{where}: HDF5 read failed (truncated or corrupt?): {first_line(exc)}") from None
     ops = normalise_ops(ops, where=where)
     _check_same_length(workers, where=where, what="worker")
     if seqlens is not None:
         seqlens = _normalise_seqlens(seqlens, where=where, dp=meta.dp)
     return Trace(meta=meta, ops=ops, workers=workers, seqlens=seqlens, path=where)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-    lines = text.strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def _read_attrs(f, *, where: str) -> tuple[TraceMeta, list[str]]:
@@ -474,11 +468,11 @@ def _read_attrs(f, *, where: str) -> tuple[TraceMeta, list[str]]:
         # None (absent, or not text) raises TypeError: bad job metadata, as any other.
         meta = TraceMeta.from_json(_attr_text(f, "meta"))  # type: ignore[arg-type]
     except (KeyError, TypeError, ValueError, RecursionError) as exc:
-        raise InputError(f"{where}: bad job metadata: {_one_line(exc)}") from None
+        raise InputError(f"{where}: bad job metadata: {first_line(exc)}") from None
     try:
         file_optypes = json.loads(_attr_text(f, "optypes") or "[]")
     except (TypeError, ValueError, RecursionError) as exc:
-        raise InputError(f"{where}: bad optypes attribute (a JSON list of op-type names): {_one_line(exc)}") from None
+        raise InputError(f"{where}: bad optypes attribute (a JSON list of op-type names): {first_line(exc)}") from None
     if not isinstance(file_optypes, list) or not all(isinstance(n, str) for n in file_optypes):
         raise InputError(f"{where}: bad optypes attribute: must be a JSON list of op-type names")
     if len(file_optypes) > np.iinfo(np.int8).max + 1:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from greyhound.errors import InputError
+from greyhound.errors import InputError, first_line, read_input_file
 from postmortem.schema import MAX_DEGREE, OPTYPE_CODE, OPTYPES, P2P_OPTYPES, Trace, TraceMeta
 
 log = logging.getLogger(__name__)
@@ -40,21 +40,14 @@ def read_whatif_meta(path: str | Path) -> dict:
     import yaml
 
     where = str(path)
-    try:
-        with open(path, "rb") as f:  # bytes: YAML detects the encoding, bad bytes are a YAMLError
-            text = f.read()
-    except FileNotFoundError:
-        raise InputError(f"{where}: no such meta file; give --meta FILE") from None
-    except IsADirectoryError:
-        raise InputError(f"{where}: is a directory, expected the meta YAML file") from None
-    except OSError as exc:
-        raise InputError(f"{where}: cannot read meta file: {exc.strerror}") from None
+    # bytes: YAML detects the encoding, bad bytes are a YAMLError
+    text = read_input_file(where, expected="the meta YAML file", missing="no such meta file; give --meta FILE")
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise InputError(f"{where}: not valid YAML: {_first_line(exc)}") from None
+        raise InputError(f"{where}: not valid YAML: {first_line(exc)}") from None
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # e.g. a date 2024-13-01
-        raise InputError(f"{where}: not valid YAML: {_first_line(exc)}") from None
+        raise InputError(f"{where}: not valid YAML: {first_line(exc)}") from None
     if not isinstance(raw, dict):
         raise InputError(f"{where}: meta must be a YAML mapping")
     for key in META_KEYS:
@@ -73,11 +66,6 @@ def read_whatif_meta(path: str | Path) -> dict:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def read_whatif_trace(path: str | Path, *, meta_path: str | Path | None = None) -> Trace:
@@ -99,14 +87,14 @@ def read_whatif_trace(path: str | Path, *, meta_path: str | Path | None = None) 
         raise InputError(f"{where}: no such file") from None
     except (pa.ArrowException, OSError, ValueError, MemoryError) as exc:
         raise InputError(
-            f"{where}: not a readable parquet file (truncated or corrupt?): {_first_line(exc)}"
+            f"{where}: not a readable parquet file (truncated or corrupt?): {first_line(exc)}"
         ) from None
     try:
         return _trace_from_table(table, raw_meta, where=where)
     except UnicodeDecodeError:
         raise InputError(f"{where}: a column name or op type is not UTF-8 text (corrupt file?)") from None
     except pa.ArrowException as exc:
-        raise InputError(f"{where}: malformed parquet data (corrupt file?): {_first_line(exc)}") from None
+        raise InputError(f"{where}: malformed parquet data (corrupt file?): {first_line(exc)}") from None
 
 
 def _trace_from_table(table, raw_meta: dict, *, where: str) -> Trace:
@@ -255,13 +243,7 @@ def load_any(path: str | Path, *, meta_path: str | Path | None = None) -> Trace:
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p}: no such file")
-    try:
-        with open(p, "rb") as f:
-            magic = f.read(8)
-    except IsADirectoryError:
-        raise InputError(f"{p}: is a directory, expected a trace file") from None
-    except OSError as exc:
-        raise InputError(f"{p}: cannot read: {exc.strerror}") from None
+    magic = read_input_file(p, expected="a trace file", max_bytes=8)
     if magic.startswith(b"PAR1") or p.suffix == ".parquet":
         return read_whatif_trace(p, meta_path=meta_path)
     if magic.startswith(b"\x89HDF"):
