@@ -109,8 +109,11 @@ def _stage_imbalance(model: Model, attr: Attribution, lost: float) -> list[Cause
     ratios = {}
     for code, typical in attr.ideal.stage_typical.items():
         if code in (OPTYPE_CODE["forward-compute"], OPTYPE_CODE["backward-compute"]):
-            others = np.nanmean(typical[:-1])
-            if others > 0:
+            # A stage without ops of this type has no typical value (NaN): compare with
+            # the stages that have one, and only when the last stage has one too.
+            others_known = typical[:-1][~np.isnan(typical[:-1])]
+            others = float(others_known.mean()) if others_known.size else 0.0
+            if others > 0 and np.isfinite(typical[-1]):
                 name = "forward" if code == OPTYPE_CODE["forward-compute"] else "backward"
                 ratios[name] = float(typical[-1] / others)
     top_pp = max(attr.by_pp_rank, key=attr.by_pp_rank.__getitem__)

@@ -438,3 +438,15 @@ def test_isolated_reader_turns_a_crash_and_a_hang_into_input_errors():
     with pytest.raises(ValueError, match="a bug, not bad input") as info:  # a bug stays a bug
         run_isolated(_raise_value_error, timeout=30, what="x")
     assert "in the reader's child process" in "".join(getattr(info.value, "__notes__", []))
+
+
+def test_a_stage_without_backward_computes_gives_a_report_and_no_warning():
+    """Fuzz finding (HDF5 target): stage 0 of a DP=2 x PP=2 trace holds no
+    backward-compute op, so its typical backward time is NaN; the stage-imbalance check
+    averaged the earlier stages with np.nanmean, and numpy printed "RuntimeWarning: Mean
+    of empty slice" (two lines) on stderr beside the CLI's answer."""
+    cp = cli("postmortem", "--json", FUZZ / "hdf5-stage-without-backward-compute.h5")
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stderr == ""
+    result = json.loads(cp.stdout, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert result["slowdown"] > 1.0
