@@ -592,4 +592,11 @@ def _cast_checked(col: np.ndarray, dtype: np.dtype, *, where: str, what: str) ->
             )
     if dtype.kind in "iu" and col.dtype.kind == "f":
         raise InputError(f"{where}: {what} must be integer, got dtype {col.dtype}")
+    if dtype.kind == "f" and col.dtype.kind == "f" and col.dtype.itemsize > dtype.itemsize and col.size:
+        # A wider float (float128) would become inf, with numpy's warning, not an error.
+        largest = np.abs(col[np.isfinite(col)]).max(initial=0)
+        if largest > np.finfo(dtype).max:
+            shown = np.format_float_scientific(largest, precision=3)  # float() would say inf
+            raise InputError(f"{where}: {what} holds {shown}, outside its type {dtype} "
+                             f"(magnitude up to {np.finfo(dtype).max:.4g})")
     return col.astype(dtype, copy=False)
