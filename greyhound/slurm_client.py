@@ -72,6 +72,12 @@ class JobRecord:
     def running(self) -> bool:
         return self.state in ("RUNNING", "PENDING", "REQUEUED", "SUSPENDED", "CONFIGURING")
 
+    @property
+    def in_queue(self) -> bool:
+        """Still in Slurm's queue: running, or completing (its steps ending, its epilog
+        not yet run)."""
+        return self.running or self.state == "COMPLETING"
+
 
 class SlurmClient(Protocol):
     backend: str

@@ -241,8 +241,6 @@ def load_any(path: str | Path, *, meta_path: str | Path | None = None) -> Trace:
     from postmortem.schema import read_trace
 
     p = Path(path)
-    if not p.exists():
-        raise InputError(f"{p}: no such file")
     magic = read_input_file(p, expected="a trace file", max_bytes=8)
     if magic.startswith(b"PAR1") or p.suffix == ".parquet":
         return read_whatif_trace(p, meta_path=meta_path)

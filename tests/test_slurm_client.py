@@ -14,7 +14,7 @@ import pytest
 from conftest import require
 from greyhound import slurm_client
 from greyhound.errors import InputError, SlurmError
-from greyhound.slurm_client import (COMMENT_MAX_LEN, CommandLineClient, PySlurmClient, check_job_id,
+from greyhound.slurm_client import (COMMENT_MAX_LEN, CommandLineClient, JobRecord, PySlurmClient, check_job_id,
                                     choose_backend, connect, merge_comment, running_slurm_version)
 
 
@@ -88,7 +88,7 @@ def test_finished_jobs_comment_keeps_its_case(cluster, sbatch):
     assert job.wait() == "COMPLETED"
     client = connect()
     record = client.job(job.job_id)
-    assert record.state == "COMPLETED" and not record.running
+    assert record.state == "COMPLETED" and not record.running and not record.in_queue
     summary = "greyhound: S=1.34 (25% GPU-time lost) top: compute DP1/PP2 on n3; report /Var/Reports/X"
     client.set_comment(job.job_id, merge_comment(record.comment, summary))
     out = subprocess.run(["sacct", "-j", job.job_id, "-X", "-n", "-o", "Comment%300"],
@@ -115,3 +115,14 @@ def test_running_jobs_comment_keeps_its_case(cluster, sbatch):
             break
         subprocess.run(["sleep", "0.5"], check=True)
     assert client.job(job.job_id).comment == "greyhound: Running MixedCase"
+
+
+@pytest.mark.parametrize("state, running, in_queue", [
+    ("PENDING", True, True), ("RUNNING", True, True), ("COMPLETING", False, True),
+    ("COMPLETED", False, False), ("FAILED", False, False), ("CANCELLED", False, False),
+])
+def test_a_completing_job_is_still_in_the_queue_but_not_running(state, running, in_queue):
+    record = JobRecord(job_id="7", name="j", user="u", state=state, exit_code="0:0", cluster="c",
+                       node_list="n1", num_nodes=1, submit="", start="", end="", elapsed_s=0,
+                       work_dir="/", comment="")
+    assert (record.running, record.in_queue) == (running, in_queue)
