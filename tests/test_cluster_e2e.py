@@ -183,7 +183,7 @@ def test_training_job_trains_and_is_captured_without_code_changes(training_job):
 
 def test_training_jobs_postmortem_is_on_its_record(training_job):
     job_id, _, ended = training_job
-    comment, _ = comment_of(job_id, 60)
+    comment = comment_of(job_id)
     print(f"post-mortem summary on the record by {time.monotonic() - ended:.1f}s after the job ended")
     assert comment.startswith("My Run 7 | greyhound: S="), comment
     assert f"report {RUN_DIR_BASE}/{job_id}/report/report.html" in comment
@@ -217,12 +217,12 @@ def test_training_jobs_postmortem_is_on_its_record(training_job):
 def test_job_without_a_trace_gets_a_record_that_says_so(cluster, sbatch):
     job = sbatch("#!/bin/bash\ntrue\n", "--greyhound")
     assert job.wait() == "COMPLETED"
-    comment, _ = comment_of(job.job_id, 60)
+    comment = comment_of(job.job_id)
     assert comment == (f"greyhound: no post-mortem: no timeline trace in {RUN_DIR_BASE}/{job.job_id} "
                        "(the job recorded none)")
     off = sbatch("#!/bin/bash\ntrue\n", "--greyhound=trace=off")
     assert off.wait() == "COMPLETED"
-    comment, _ = comment_of(off.job_id, 60)
+    comment = comment_of(off.job_id)
     assert comment == "greyhound: no post-mortem: tracing was off for this job (--greyhound=trace=off)"
     shown = subprocess.run([GREYHOUND, "report", off.job_id], capture_output=True, text=True, check=True)
     assert "tracing was off" in shown.stdout
@@ -267,7 +267,7 @@ def test_epilog_hands_the_report_to_the_jobs_user_only(cluster):
     epilog = subprocess.run([str(REPO / ".venv/bin/python"), "-I", "-m", "postmortem.epilog", job_id],
                             capture_output=True, text=True, timeout=120, cwd="/")
     assert epilog.returncode == 0, epilog.stderr
-    comment, _ = comment_of(job_id, 10)
+    comment = comment_of(job_id, 10)
     assert comment.startswith("greyhound: S=") and "dp1/pp0" in comment, comment
     # The robust ideal leaves the one slow worker of 8 out, so S is the injection's own
     # slowdown: within 3% as on every injected trace (test_postmortem_injected.py), plus

@@ -202,16 +202,23 @@ def test_quota_on_one_rank_shows_in_its_gemm_only(tmp_path):
         # (the healthy majority's).
         probes = [bench_min(r, 256)[0] for r in rings]
         n = bench_n_for(statistics.median(probes))
-        base = [bench_min(r, n) for r in rings]
-        # 30 % of a CPU for rank 1's process (all its threads), as `greyhound inject` does.
-        injection = ComputeInjection(ComputeSpec(pid=rings[1].info.pid, severity=0.7, cpus=1.0),
-                                     env=inject_env, injection_id="quota")
-        injection.preflight()
-        injection.resolve()
-        injection.apply()
-        quota = [bench_min(r, n) for r in rings]
-        injection.undo()
-        injection = None
+        # Before and under the quota, alternated: load from elsewhere on the machine (a
+        # post-mortem still running from an earlier job) comes and goes and must not fall
+        # on one side only. Each side keeps its fastest round.
+        before_rounds, quota_rounds = [], []
+        for round_no in range(2):
+            before_rounds.append([bench_min(r, n, repeats=3) for r in rings])
+            # 30 % of a CPU for rank 1's process (all its threads), as `greyhound inject` does.
+            injection = ComputeInjection(ComputeSpec(pid=rings[1].info.pid, severity=0.7, cpus=1.0),
+                                         env=inject_env, injection_id=f"quota{round_no}")
+            injection.preflight()
+            injection.resolve()
+            injection.apply()
+            quota_rounds.append([bench_min(r, n, repeats=3) for r in rings])
+            injection.undo()
+            injection = None
+        base = [min(rounds[k] for rounds in before_rounds) for k in range(ranks)]
+        quota = [min(rounds[k] for rounds in quota_rounds) for k in range(ranks)]
         print(f"n={n}; wall (cpu) seconds, before: {base}; rank 1 under a 30 % quota: {quota}")
         assert all(r.parked == 1 for r in rings)
         for r in rings:
@@ -230,13 +237,15 @@ def test_quota_on_one_rank_shows_in_its_gemm_only(tmp_path):
     assert results == [{"iterations": iterations, "tokens_ok": True,
                         "allreduce": float(ranks * iterations)}] * ranks
     (base0, _), (base1, _) = base
-    (wall0, _), (wall1, cpu1) = quota
+    (wall0, cpu0), (wall1, cpu1) = quota
     # The quota'd rank: clearly slower than before and than its peer, in wall time,
     # for about the same CPU time (the quota throttles; the core is not slower).
     assert wall1 >= 1.5 * base1 and wall1 >= 1.5 * wall0
     assert wall1 >= 1.5 * cpu1
-    # Its peer, in its own process and cgroup, is not.
-    assert wall0 < 1.5 * base0
+    # Its peer, in its own process and cgroup, is not throttled, and whatever slowed it
+    # (the machine's load) slowed the quota'd rank far more.
+    assert wall0 < 1.5 * cpu0
+    assert wall1 / base1 >= 1.5 * (wall0 / base0)
     assert 0.05 < base0 < 1.0 and 0.05 < base1 < 1.0     # sized for ~0.2 s
 
 

@@ -125,8 +125,7 @@ def run_attack(script: str, greyhound: str = "--greyhound") -> tuple[SlurmJob, s
     """Runs the attacker's job with greyhound on; the comment the epilog left on it."""
     job = submit_as(ATTACKER, "#!/bin/bash\nset -e\nR=$GREYHOUND_RUN_DIR\n" + script, greyhound)
     assert job.wait() == "COMPLETED", job.text()
-    comment, _ = comment_of(job.job_id, 90)
-    assert "greyhound: " in comment, f"no greyhound line on job {job.job_id}'s record: {comment!r}"
+    comment = comment_of(job.job_id)
     return job, comment
 
 
