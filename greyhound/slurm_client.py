@@ -46,6 +46,8 @@ _SACCT_FIELDS = (
     "NTasks", "Submit", "Start", "End", "ElapsedRaw", "WorkDir", "Comment",
 )
 _TIMEOUT_S = 30
+DEFAULT_CRED_EXPIRE_S = 120.0
+"""Slurm's credential lifetime when slurm.conf's AuthInfo does not set cred_expire."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,6 +97,8 @@ class SlurmClient(Protocol):
     def listpids(self, job_step: str) -> str: ...
 
     def requeue_excluding(self, job_id: str, nodes: list[str]) -> None: ...
+
+    def requeue_hold_s(self) -> float: ...
 
     def schedulable_nodes(self, partition: str) -> list[str]: ...
 
@@ -237,8 +241,8 @@ class CommandLineClient:
         and held; Slurm signals its steps, the caller's included, and kills them after
         KillWait), then ExcNodeList (Slurm changes it on a pending job only: the hold
         makes it one at once), then ``release``. The release is tried whatever failed
-        before it: a job left held never runs again. Slurm then holds the job back
-        for about two minutes (its begin time, set when its steps have ended: a caller
+        before it: a job left held never runs again. Slurm then holds the job back for
+        ``requeue_hold_s()`` (its begin time, set when its steps have ended: a caller
         inside the job cannot lift it).
 
         Raises:
@@ -259,6 +263,14 @@ class CommandLineClient:
                  what=f"job {job_id}")
         finally:
             _run(["scontrol", "release", job_id], what=f"job {job_id}")
+
+    def requeue_hold_s(self) -> float:
+        """Seconds Slurm holds a requeued job before it may start again: the credential
+        lifetime, so that the old allocation's credentials lapse first (slurm.conf
+        ``AuthInfo=cred_expire=N``; 120 s when unset)."""
+        out = _run(["scontrol", "show", "config"], what="Slurm configuration")
+        match = re.search(r"^AuthInfo\s*=.*\bcred_expire=(\d+)", out, re.MULTILINE)
+        return float(match.group(1)) if match else DEFAULT_CRED_EXPIRE_S
 
     def schedulable_nodes(self, partition: str) -> list[str]:
         """The partition's nodes a job can be given now or later: up and responding,

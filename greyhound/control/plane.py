@@ -132,8 +132,24 @@ def _planner(client, run_dir: Path):
         return None
     from greyhound.mitigate.planner import Planner, PlannerConfig
 
-    return Planner(client, run_dir, config=PlannerConfig(requeue=os.environ.get("GREYHOUND_REQUEUE", "on") != "off"),
-                   job=_slurm_job(), slurm=_slurm())
+    slurm = _slurm()
+    config = PlannerConfig(requeue=os.environ.get("GREYHOUND_REQUEUE", "on") != "off",
+                           requeue_hold_s=_requeue_hold_s(slurm))
+    return Planner(client, run_dir, config=config, job=_slurm_job(), slurm=slurm)
+
+
+def _requeue_hold_s(slurm) -> float:
+    """The cluster's hold on a requeued job, for S4's cost; Slurm's default when it
+    cannot be read (the planner is still useful with a rougher cost)."""
+    from greyhound.slurm_client import DEFAULT_CRED_EXPIRE_S
+
+    if slurm is None:
+        return DEFAULT_CRED_EXPIRE_S
+    try:
+        return slurm.requeue_hold_s()
+    except Exception:
+        log.debug("cannot read the cluster's requeue hold", exc_info=True)
+        return DEFAULT_CRED_EXPIRE_S
 
 
 def _slurm_job() -> dict | None:

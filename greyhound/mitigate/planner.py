@@ -58,7 +58,7 @@ from greyhound.control.store import PLAN as PLAN_KEY
 from greyhound.control.store import TRAINING_APPLIED as APPLIED_KEY
 from greyhound.control.store import TRAINING_CHECKPOINTED as CHECKPOINTED_KEY
 from greyhound.control.store import TRAINING_LAYOUT as LAYOUT_KEY
-from greyhound.slurm_client import COMMENT_MAX_LEN
+from greyhound.slurm_client import COMMENT_MAX_LEN, DEFAULT_CRED_EXPIRE_S
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,10 @@ class PlannerConfig:
     requeue: bool = True
     """S4 allowed (the admin's plugstack ``requeue=off`` or the user's
     ``--greyhound=mitigate,requeue=off`` turn it off)."""
-    requeue_hold_s: float = 120.0
-    """Slurm's hold on a requeued job before it may start again (its begin time; a
-    requeued job ran again 160 s after the requeue on the local cluster)."""
+    requeue_hold_s: float = DEFAULT_CRED_EXPIRE_S
+    """Slurm's hold on a requeued job before it may start again (its begin time): the
+    control plane asks the cluster (``SlurmClient.requeue_hold_s``); this default is
+    Slurm's own."""
     checkpoint_polls: int = 240
     """Polls to wait for the checkpoint S4 asked for; then S4 is given up."""
 
