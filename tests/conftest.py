@@ -183,14 +183,17 @@ def cluster_shape() -> str:
     return Path("/var/lib/greyhound-cluster/shape").read_text().strip()
 
 
-@pytest.fixture(scope="module")
+def shape_args(shape: str) -> list[str]:
+    """`scripts/cluster up`'s arguments for a shape as its state file writes it ("4 netns=1")."""
+    nodes, netns = shape.split()
+    return ["--nodes", nodes, *(["--netns"] if netns == "netns=1" else [])]
+
+
+@pytest.fixture(scope="session")
 def netns_cluster(cluster):
-    """The cluster with a network namespace per node; the plain one again afterwards."""
-    switched = cluster_shape() != "4 netns=1"
-    if switched:
+    """The cluster with a network namespace per node. Once switched, it stays so for the
+    rest of the session: every other test runs on either shape, and each switch took
+    about 20 s of CI's time (scripts/cluster down leaves it for the next run)."""
+    if cluster_shape() != "4 netns=1":
         subprocess.run([CLUSTER_SCRIPT, "down"], check=True, capture_output=True, timeout=300)
         subprocess.run([CLUSTER_SCRIPT, "up", "--netns"], check=True, capture_output=True, timeout=300)
-    yield
-    if switched:
-        subprocess.run([CLUSTER_SCRIPT, "down"], check=True, capture_output=True, timeout=300)
-        subprocess.run([CLUSTER_SCRIPT, "up", "--nodes", "4"], check=True, capture_output=True, timeout=300)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, cluster_shape, shape_args
 
 CLUSTER = str(REPO / "scripts/cluster")
 pytestmark = pytest.mark.cluster
@@ -28,13 +28,14 @@ def test_status_says_what_runs(cluster):
 
 
 def test_down_then_up_again(cluster):
+    shape = cluster_shape()
     down = run("down")
     assert "stopped slurmctld" in down.stdout
     assert subprocess.run(["sinfo"], capture_output=True, timeout=60).returncode != 0
     status = run("status").stdout
     assert "running" not in status
     t0 = time.monotonic()
-    up = run("up")
+    up = run("up", *shape_args(shape))        # the shape it had: the tests after it use it
     took = time.monotonic() - t0
     print(f"scripts/cluster up from cold: {took:.1f}s")
     assert "up: 4 nodes idle" in up.stdout
