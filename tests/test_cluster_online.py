@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import signal
 import subprocess
 import time
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.cluster
 
 def test_a_compute_fail_slow_is_detected_validated_named_and_its_end_seen(cluster, tmp_path):
     out = tmp_path / "out"
-    job = submit(out, 170)
+    job = submit(out, 130)    # injected near step 50 for 25 s; recovered within 10 steps of its end
     wait_tracking(job.job_id)
     wait_no_episode(RUN_DIR_BASE / job.job_id)
     truth = tmp_path / "truth.jsonl"
@@ -107,12 +108,13 @@ def test_killing_the_master_while_the_job_is_paused_changes_nothing_in_the_job(c
     # as a run without greyhound.
     from greyhound.ring import RingReader, ring_paths
 
-    steps, timeout_s = 140, 8
+    steps, timeout_s = 100, 8      # the pause came at step 60 on the local cluster
     job = submit(tmp_path / "out", steps, env={"GREYHOUND_PAUSE_TIMEOUT_S": str(timeout_s)})
     wait_tracking(job.job_id)
     run_dir = RUN_DIR_BASE / job.job_id
     readers = [RingReader(path, publish=False) for path in ring_paths(run_dir)]
-    # `greyhound inject` holds the fail-slow for its duration: it runs alongside.
+    # `greyhound inject` holds the fail-slow for its duration (at most 60 s; it is ended
+    # once the master is dead): it runs alongside.
     inject = subprocess.Popen([GREYHOUND, "inject", "compute", "--job", job.job_id, "--rank", "5",
                                "--duration", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert len(readers) == 8
@@ -128,12 +130,14 @@ def test_killing_the_master_while_the_job_is_paused_changes_nothing_in_the_job(c
         assert time.monotonic() - killed < timeout_s + 20, [r.counters() for r in readers]
         time.sleep(0.05)
     held_s = time.monotonic() - killed
+    # The fail-slow has done its part (a pause): ended now, it does not slow the rest.
+    inject.send_signal(signal.SIGTERM)
     timeouts = [r.counters()["gate_timeouts"] for r in readers]
     shown = status(job.job_id)
     for r in readers:
         r.close()
     assert job.wait(900) == "COMPLETED", job.text()
-    assert inject.wait(120) == 0, inject.stderr.read()
+    assert inject.wait(120) == 128 + signal.SIGTERM, inject.stderr.read()   # undone, then exits so
     assert timeouts == [1] * 8, timeouts            # each rank let itself go, once
     assert held_s < timeout_s + 5, held_s
     assert shown["control_plane"] == "failed", shown
