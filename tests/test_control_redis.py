@@ -140,3 +140,25 @@ def test_a_client_tries_a_gone_server_twice_at_most_and_fails():
             client.get("plane")
         thread.join()
     assert len(accepted) == 2
+
+
+def test_a_rank_publishes_only_what_changed_and_the_store_holds_it_all(job_redis):
+    from greyhound.control import store
+
+    _, _, address = job_redis
+    client = address.client()
+    sent: dict = {}
+    commands = []
+    for fields in ({"node": "n1", "iterations": 10, "slowdown": None, "counters": {"calls": 5}},
+                   {"node": "n1", "iterations": 11, "slowdown": None, "counters": {"calls": 5}},
+                   {"node": "n1", "iterations": 11, "slowdown": None, "counters": {"calls": 5}}):
+        pipe = client.pipeline(transaction=False)
+        store.publish_rank(pipe, 3, new_times=[], fields=fields, sent=sent)
+        commands.append([args for args, _ in pipe.command_stack])
+        pipe.execute()
+    assert commands[0] == [("HSET", "rank:3", "node", "n1", "iterations", 10, "slowdown", "",
+                            "counters", '{"calls": 5}')]
+    assert commands[1] == [("HSET", "rank:3", "iterations", 11)]     # only the field that changed
+    assert commands[2] == []                                          # nothing changed: no command
+    assert client.hgetall("rank:3") == {"node": "n1", "iterations": "11", "slowdown": "",
+                                        "counters": '{"calls": 5}'}

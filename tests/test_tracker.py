@@ -539,6 +539,12 @@ def test_history_is_bounded():
     assert len(arrivals) == 1000
     np.testing.assert_array_equal(arrivals["call_number"],
                                   np.arange(len(records) - 999, len(records) + 1))
+    # One batch of more calls than the table keeps: the same rows, the calls it could
+    # not keep still counted in each communicator's ordinals.
+    at_once = RankTracker(config=TrackerConfig(history_calls=1000))
+    at_once.feed(records)
+    assert at_once.num_calls > 1000
+    np.testing.assert_array_equal(at_once.arrivals(), arrivals)
 
 
 def test_bad_input_is_refused():

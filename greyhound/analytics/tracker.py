@@ -282,10 +282,16 @@ class RankTracker:
     # ---- calls: arrivals and durations ------------------------------------------------
 
     def _record_calls(self, calls: np.ndarray, first_index: int) -> None:
-        k = len(calls)
-        if not k:
+        if not len(calls):
             return
-        rows = np.zeros(k, dtype=_CALL_TABLE)
+        dropped, calls = calls[: -self.config.history_calls], calls[-self.config.history_calls :]
+        if len(dropped):           # more calls than the table keeps: only counted
+            comms, counts = np.unique(dropped["comm_id"], return_counts=True)
+            for c, count in zip(comms.tolist(), counts.tolist()):
+                self._comm_counts[c] = self._comm_counts.get(c, 0) + count
+            first_index += len(dropped)
+        k = len(calls)
+        rows = self._table.extend(k)          # filled in place: every field is set below
         rows["index"] = np.arange(first_index, first_index + k)
         for name in ("seq", "op", "comm_id", "req_id", "size_bytes", "t_start_ns", "t_end_ns",
                      "flags"):
@@ -302,9 +308,9 @@ class RankTracker:
         done = blocking & (rows["t_end_ns"] >= rows["t_start_ns"]) & (rows["t_end_ns"] > 0)
         rows["seconds"] = np.nan
         rows["seconds"][done] = (rows["t_end_ns"][done] - rows["t_start_ns"][done]) * 1e-9
+        rows["device"] = False
         for req, index in zip(rows["req_id"][~blocking].tolist(), rows["index"][~blocking].tolist()):
             self._async[req] = index
-        self._table.append(rows)
         oldest = self._table.first_index
         if len(self._async) > 2 * self.config.history_calls:
             self._async = {r: i for r, i in self._async.items() if i >= oldest}
@@ -533,14 +539,17 @@ class _CallTable:
         row = index - int(self._buf["index"][self._lo])
         return row if 0 <= row < self._hi - self._lo else None
 
-    def append(self, rows: np.ndarray) -> None:
-        rows = rows[-self._cap :]
-        k = len(rows)
+    def extend(self, k: int) -> np.ndarray:
+        """``k`` (<= capacity) new rows at the end, for the caller to fill (a view; their
+        old contents are left as they were): the oldest rows beyond the capacity go."""
+        if not 0 <= k <= self._cap:
+            raise ValueError(f"call table: {k} rows do not fit a capacity of {self._cap}")
         if self._hi + k > len(self._buf):
             keep = self._buf[max(self._lo, self._hi - (self._cap - k)) : self._hi].copy()
             self._buf[: len(keep)] = keep
             self._lo, self._hi = 0, len(keep)
-        self._buf[self._hi : self._hi + k] = rows
+        rows = self._buf[self._hi : self._hi + k]
         self._hi += k
         if self._hi - self._lo > self._cap:
             self._lo = self._hi - self._cap
+        return rows

@@ -73,6 +73,8 @@ class _Process:
     polls: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=HISTORY_POLLS))
     """(wall seconds, seconds inside calls, iterations completed) of the recent polls."""
     last_poll: float | None = None
+    sent: dict = dataclasses.field(default_factory=dict)
+    """The rank's fields as last published (``store.publish_rank`` sends the changed ones)."""
 
     def compute_share(self) -> float | None:
         """Fraction of the recent wall time the process spent outside communication calls."""
@@ -269,7 +271,7 @@ class NodeAgent:
                 "compute_share": proc.compute_share(),
                 **dict(zip(("compute_s", "compute_base_s"), proc.compute_per_iteration())),
                 "counters": proc.reader.counters(),
-            }, comms=self.comm_stats(proc) if with_comms else None)
+            }, comms=self.comm_stats(proc) if with_comms else None, sent=proc.sent)
         pipe.hset(store.agent_key(self.node), mapping={
             "heartbeat": time.time(), "ranks": store.dumps(sorted(ranks)),
             "cpu_s": time.process_time(),
