@@ -189,11 +189,18 @@ def shape_args(shape: str) -> list[str]:
     return ["--nodes", nodes, *(["--netns"] if netns == "netns=1" else [])]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def netns_cluster(cluster):
-    """The cluster with a network namespace per node. Once switched, it stays so for the
-    rest of the session: every other test runs on either shape, and each switch took
-    about 20 s of CI's time (scripts/cluster down leaves it for the next run)."""
-    if cluster_shape() != "4 netns=1":
+    """The cluster with a network namespace per node; the plain one again afterwards.
+    Not left in place for the tests after (it would save about 40 s of CI a module):
+    on the netns cluster a job's own later step sometimes waits for ever behind the
+    control plane's step (the default-on plugin test, 4 of 12 rounds; 0 of 12 on the
+    plain cluster), a bug of the plane's that those tests are not about."""
+    switched = cluster_shape() != "4 netns=1"
+    if switched:
         subprocess.run([CLUSTER_SCRIPT, "down"], check=True, capture_output=True, timeout=300)
         subprocess.run([CLUSTER_SCRIPT, "up", "--netns"], check=True, capture_output=True, timeout=300)
+    yield
+    if switched:
+        subprocess.run([CLUSTER_SCRIPT, "down"], check=True, capture_output=True, timeout=300)
+        subprocess.run([CLUSTER_SCRIPT, "up", "--nodes", "4"], check=True, capture_output=True, timeout=300)
