@@ -284,26 +284,25 @@ class RankTracker:
     def _record_calls(self, calls: np.ndarray, first_index: int) -> None:
         if not len(calls):
             return
-        dropped, calls = calls[: -self.config.history_calls], calls[-self.config.history_calls :]
-        if len(dropped):           # more calls than the table keeps: only counted
-            comms, counts = np.unique(dropped["comm_id"], return_counts=True)
-            for c, count in zip(comms.tolist(), counts.tolist()):
-                self._comm_counts[c] = self._comm_counts.get(c, 0) + count
-            first_index += len(dropped)
+        # Ordinal of each call among this rank's calls on its communicator, counting the
+        # calls of a batch too large for the table too.
+        comm = calls["comm_id"]
+        ordinals = np.empty(len(calls), dtype=np.int64)
+        for c in np.unique(comm):
+            mine = comm == c
+            base = self._comm_counts.get(int(c), 0)
+            count = int(mine.sum())
+            ordinals[mine] = base + np.arange(count)
+            self._comm_counts[int(c)] = base + count
+        dropped = max(0, len(calls) - self.config.history_calls)
+        calls, ordinals, first_index = calls[dropped:], ordinals[dropped:], first_index + dropped
         k = len(calls)
         rows = self._table.extend(k)          # filled in place: every field is set below
         rows["index"] = np.arange(first_index, first_index + k)
         for name in ("seq", "op", "comm_id", "req_id", "size_bytes", "t_start_ns", "t_end_ns",
                      "flags"):
             rows[name] = calls[name]
-        # Ordinal of each call among this rank's calls on its communicator.
-        comm = rows["comm_id"]
-        for c in np.unique(comm):
-            mine = comm == c
-            base = self._comm_counts.get(int(c), 0)
-            count = int(mine.sum())
-            rows["comm_ordinal"][mine] = base + np.arange(count)
-            self._comm_counts[int(c)] = base + count
+        rows["comm_ordinal"] = ordinals
         blocking = (rows["flags"] & F_ASYNC) == 0
         done = blocking & (rows["t_end_ns"] >= rows["t_start_ns"]) & (rows["t_end_ns"] > 0)
         rows["seconds"] = np.nan
