@@ -446,6 +446,12 @@ class RingReader:
         return int(self._hdr["parked"])
 
     @property
+    def parked_since_ns(self) -> int | None:
+        """When the first of the threads held now parked (CLOCK_MONOTONIC ns, the
+        records' clock); None when none is held."""
+        return int(self._hdr["parked_since_ns"]) or None
+
+    @property
     def parked_at_call(self) -> int | None:
         """The number of the communication call the rank is held before (see
         :attr:`calls`); 0 when it is held at a call that is not one (a pause of the

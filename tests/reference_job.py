@@ -65,3 +65,18 @@ def step_times(out: Path) -> list[tuple[float, float]]:
     """(end time, step time) of each step."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [(r["time"], r["step_time"]) for r in rows]
+
+
+def timeline(events: list[dict], out: Path, truth: dict | None = None) -> str:
+    """The event log as a failing test should show it: one line per event, its time
+    from the injection's start (or the first event) and the steps finished by then."""
+    ends = [end for end, _ in step_times(out)] if (out / "metrics.jsonl").exists() else []
+    t0 = truth["start"] if truth else (events[0]["time"] if events else 0.0)
+    lines = [f"injected {truth['end'] - truth['start']:.1f} s" if truth else "no injection"]
+    for e in events:
+        detail = e.get("verdict", {}).get("where", "") if isinstance(e.get("verdict"), dict) else ""
+        lines.append(f"{e['time'] - t0:+8.1f} s  step {sum(end <= e['time'] for end in ends):4d}  "
+                     f"{e['kind']} {detail}".rstrip())
+    if ends:
+        lines.append(f"{ends[-1] - t0:+8.1f} s  step {len(ends):4d}  (last step)")
+    return "\n".join(lines)

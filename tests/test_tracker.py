@@ -459,6 +459,32 @@ def test_a_lock_on_a_motif_is_withdrawn_once_the_calls_show_the_iteration():
 # ---- lost records ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_an_iteration_held_at_the_pause_gate_is_measured_without_the_hold(seed):
+    # Validation parks every rank at a step boundary for seconds (greyhound's doing):
+    # the iteration that spans the hold counts only the job's own time, in whatever
+    # batches the records come, and the numbering is that of a tracker told nothing.
+    rng = np.random.default_rng(seed)
+    x = 0.2 * np.exp(rng.normal(0, 0.02, 160))
+    held = x.copy()
+    held[100] += 3.0
+    records = _records(held, layout="hybrid", seed=seed)
+    told_nothing = RankTracker()
+    updates = _feed_in_batches(told_nothing, records, np.random.default_rng(seed))
+    ends_ns = np.concatenate([u.available_at_ns for u in updates]).astype(np.int64)
+    assert told_nothing.iteration_times[100] > 3.0
+    told = RankTracker()
+    start_ns = int(ends_ns[100] - 3_000_000_000)
+    told.hold(start_ns, start_ns + 2_000_000_000)       # told twice, the second time longer
+    told.hold(start_ns, int(ends_ns[100]))
+    _feed_in_batches(told, records, np.random.default_rng(seed + 1))
+    assert told.num_iterations == told_nothing.num_iterations
+    assert told.iteration_times[100] == pytest.approx(told_nothing.iteration_times[100] - 3.0, abs=1e-6)
+    assert told.iteration_times.max() < 0.5
+    others = np.arange(told.num_iterations) != 100
+    np.testing.assert_array_equal(told.iteration_times[others], told_nothing.iteration_times[others])
+
+
 def test_lost_records_are_counted_and_their_iterations_marked():
     rng = np.random.default_rng(9)
     x = np.exp(rng.normal(0, 0.01, 300))

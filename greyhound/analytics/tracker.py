@@ -135,6 +135,15 @@ class TrackerUpdate:
     """Records lost right before or inside this batch (gaps in ``seq``)."""
 
 
+def held_seconds(starts: np.ndarray, ends: np.ndarray, holds: list[tuple[float, float]]) -> np.ndarray:
+    """Seconds of each span [starts[i], ends[i]] that fall inside the holds (disjoint
+    (start, end) pairs, same clock)."""
+    held = np.zeros(len(ends))
+    for start, end in holds:
+        held += np.clip(np.minimum(ends, end) - np.maximum(starts, start), 0.0, None)
+    return held
+
+
 class RankTracker:
     """One rank's online state (see the module docstring).
 
@@ -163,6 +172,7 @@ class RankTracker:
         self._table = _CallTable(self.config.history_calls)
         self._async: dict[int, int] = {}  # req_id -> call index (unfinished async calls)
         self._finished = False
+        self._holds: list[tuple[float, float]] = []  # (start, end) s, not yet behind the fed iterations
 
     # ---- feeding --------------------------------------------------------------------
 
@@ -211,6 +221,25 @@ class RankTracker:
         )
         return self._take(step, len(records), len(calls), gap)
 
+    def hold(self, start_ns: int, end_ns: int) -> None:
+        """The rank was held at greyhound's pause gate from ``start_ns`` to ``end_ns``
+        (CLOCK_MONOTONIC, the records' clock): the iteration that spans the hold is
+        measured without it, when it is fed (call this before feeding the records
+        after the hold). A validation pause is greyhound's doing, not the job's; left
+        in, it is one iteration many times the others, and BOCD's estimate of the
+        regime's spread grows so wide that the job's return to speed after a
+        fail-slow went unseen for 50 iterations on the local cluster."""
+        if end_ns <= start_ns:
+            return
+        start, end = start_ns * 1e-9, end_ns * 1e-9
+        # One hold told twice (the gate cleared, the thread not yet gone from it) or
+        # two that overlap count once: the holds stay disjoint.
+        overlapping = [h for h in self._holds if h[0] <= end and start <= h[1]]
+        for h in overlapping:
+            self._holds.remove(h)
+            start, end = min(start, h[0]), max(end, h[1])
+        self._holds.append((start, end))
+
     def finish(self) -> TrackerUpdate:
         """The stream ended (the rank exited): lock on what is there if nothing is
         locked yet (as ``greyhound detect`` does on a whole trace)."""
@@ -250,6 +279,9 @@ class RankTracker:
             self._withdraw(step.withdrawn_from)
         times = step.iteration_times
         m = len(times)
+        if m and self._holds:
+            times = times - held_seconds(step.available_at - times, step.available_at, self._holds)
+            self._holds = [h for h in self._holds if h[1] > step.available_at[-1]]
         if self._n + m > len(self._x):
             grown = np.empty(max(2 * len(self._x), self._n + m))
             grown[: self._n] = self._x[: self._n]

@@ -126,6 +126,15 @@ def blocked_seconds(records: np.ndarray) -> float:
     return float((inside["t_end_ns"].astype(np.int64) - inside["t_start_ns"].astype(np.int64)).clip(min=0).sum()) / 1e9
 
 
+def release(proc: _Process) -> None:
+    """Lets the rank go on from the pause gate. The seconds it was held there are
+    greyhound's, not the job's: its tracker measures the iteration without them."""
+    since = proc.reader.parked_since_ns
+    if since is not None:
+        proc.tracker.hold(since, time.monotonic_ns())
+    proc.reader.resume()
+
+
 class NodeAgent:
     """The rings of one node and their trackers."""
 
@@ -286,7 +295,7 @@ class NodeAgent:
 
     def resume(self) -> None:
         for proc in self.processes.values():
-            proc.reader.resume()
+            release(proc)
 
     def parked(self) -> int:
         """How many of this node's processes have a thread held at the gate now."""

@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 from greyhound.control import mpi_wait, p2p, validate
+from greyhound.control.agent import release
 from greyhound.ring import BENCH_OK, BENCH_PROBE_N, bench_n_for
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def validation_round(comm, agent, request: dict, *, nodes: list[str], beat=lambd
         return _round(comm, agent, local, request, nodes=nodes, beat=beat, stopped=stopped)
     finally:
         for proc in local.values():
-            proc.reader.resume()
+            release(proc)
 
 
 def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat, stopped) -> dict | None:
@@ -110,7 +111,7 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat, s
     gemm = _gemm(comm, local, request, beat)
     bandwidth = link_bandwidth(comm, agent.node, request["passes"], nodes=nodes, beat=beat)
     for proc in local.values():
-        proc.reader.resume()
+        release(proc)
     t_resumed = time.time()
     if not root:
         return None
