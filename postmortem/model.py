@@ -359,7 +359,7 @@ def _whole_steps(observed: _Observed, *, num_stages: int, where: str) -> _Kept:
     mismatched = mismatch & usable
     if mismatched.any():
         notes += (f"{int(mismatched.sum())} step(s) with missing or extra ops "
-                  f"(truncated or unmatched) dropped: steps {_fmt_list(observed.step_numbers[mismatched])}",)
+                  f"(truncated, unmatched, or another micro-batch split) dropped: steps {_fmt_list(observed.step_numbers[mismatched])}",)
     keep_steps = usable & ~mismatch
     if not keep_steps.any():
         raise InputError(f"{where}: no whole step in the trace (every step has missing or damaged ops)")
@@ -403,6 +403,9 @@ def _ordered_with_step_starts(template: _Template, *, num_stages: int) -> _Templ
     instances = np.maximum(template.present.sum(axis=1) * N, 1)
     mean_start = np.concatenate([weighted.sum(axis=(1, 2)) / instances, np.full(P, -1.0)])
     order = np.lexsort((occ, code, mean_start, pp))
+    # each DP replica's own order: its mean start over its instances
+    replica_start = np.concatenate([weighted.sum(axis=2) / N, np.full((P, D), -1.0)])
+    order = _consistent_order(order, pp, code, occ, replica_start, present)
     # gather the ordered tensors straight from the template's and the step-start ops'
     # rows: one copy of each (n_t, D, N) tensor, not a concatenation and then a permutation
     is_step_start = order >= n_t
@@ -412,6 +415,62 @@ def _ordered_with_step_starts(template: _Template, *, num_stages: int) -> _Templ
     duration = template.duration[source]
     duration[is_step_start] = first_start[order[is_step_start] - n_t]
     return _Template(pp[order], code[order], occ[order], start, duration, present[order])
+
+
+def _consistent_order(order: np.ndarray, pp: np.ndarray, code: np.ndarray, occ: np.ndarray,
+                      replica_start: np.ndarray, present: np.ndarray) -> np.ndarray:
+    """``order`` (by stage, then mean start over every replica), changed where needed so
+    that on each stage it keeps every DP replica's own order of its ops.
+
+    Replicas that run different micro-batch counts (a re-split such as greyhound's S2
+    plan: 14 and 2 micro-batches) run different 1F1B schedules: a replica's first
+    backward comes after 3 forwards on one and after 2 on the other, and the mean start
+    over both can put it before a forward that it follows on the first, which turns the
+    stage's chain into a cycle through the p2p groups.  Such a stage is ordered by a
+    topological merge of the replicas' orders (ties by mean start); one that has no such
+    merge (the replicas truly disagree) keeps the mean-start order.
+    """
+    D = present.shape[1]
+    stage = pp[order]
+    bounds = np.flatnonzero(np.diff(stage)) + 1
+    out = []
+    for ops in np.split(order, bounds):
+        consistent = True
+        for d in range(D):
+            mine = replica_start[ops[present[ops, d]], d]
+            if (np.diff(mine) < 0).any():
+                consistent = False
+                break
+        out.append(ops if consistent else _merged_order(ops, code, occ, replica_start, present))
+    return np.concatenate(out) if out else order
+
+
+def _merged_order(ops: np.ndarray, code: np.ndarray, occ: np.ndarray, replica_start: np.ndarray,
+                  present: np.ndarray) -> np.ndarray:
+    """A topological merge of the replicas' orders of one stage's ``ops`` (given in mean
+    start order, which breaks ties); ``ops`` unchanged when the orders conflict."""
+    import heapq
+
+    rank_of = {int(op): i for i, op in enumerate(ops)}
+    succ: list[list[int]] = [[] for _ in ops]
+    indeg = [0] * len(ops)
+    for d in range(present.shape[1]):
+        mine = ops[present[ops, d]]
+        mine = mine[np.lexsort((occ[mine], code[mine], replica_start[mine, d]))]
+        for a, b in zip(mine[:-1].tolist(), mine[1:].tolist()):
+            succ[rank_of[a]].append(rank_of[b])
+            indeg[rank_of[b]] += 1
+    ready = [i for i, n in enumerate(indeg) if n == 0]
+    heapq.heapify(ready)
+    merged = []
+    while ready:
+        i = heapq.heappop(ready)
+        merged.append(i)
+        for j in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                heapq.heappush(ready, j)
+    return ops[merged] if len(merged) == len(ops) else ops
 
 
 def _groups(template: _Template, *, num_stages: int, where: str) -> tuple[np.ndarray, np.ndarray]:

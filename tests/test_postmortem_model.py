@@ -108,7 +108,7 @@ def test_damaged_and_truncated_steps_are_dropped_with_one_note_each():
     assert m.steps.tolist() == [0, 2]
     assert m.dropped == (
         "1 op rows with NaN/negative times or ranks out of range (dp < 1, pp < 2); their steps are dropped",
-        "1 step(s) with missing or extra ops (truncated or unmatched) dropped: steps 3",
+        "1 step(s) with missing or extra ops (truncated, unmatched, or another micro-batch split) dropped: steps 3",
     )
 
 
@@ -147,3 +147,42 @@ def test_ops_missing_on_one_dp_rank_are_absent_there_only():
     assert m.present[~opt].all()
     assert m.transfer[opt][:, 1].tolist() == [[0.0, 0.0], [0.0, 0.0]]
 
+
+
+def _uneven_trace(even_steps: int, uneven_steps: int) -> Trace:
+    """DP=2 x PP=4: ``even_steps`` steps of 8 + 8 micro-batches, then ``uneven_steps`` of
+    14 + 2 (a re-split such as greyhound's S2 plan), each replica its own 1F1B schedule."""
+    from postmortem.generate import SyntheticJob, generate
+
+    parts = []
+    if even_steps:
+        even, _ = generate(SyntheticJob(dp=2, pp=4, num_microbatches=8, num_steps=even_steps),
+                           rng=np.random.default_rng(1))
+        parts.append(even.ops)
+    for dp, m in ((0, 14), (1, 2)):
+        replica, _ = generate(SyntheticJob(dp=1, pp=4, num_microbatches=m, num_steps=uneven_steps),
+                              rng=np.random.default_rng(2 + dp))
+        ops = dict(replica.ops)
+        ops["step"] = ops["step"] + even_steps
+        ops["dp_rank"] = np.full_like(ops["dp_rank"], dp)
+        parts.append(ops)
+    ops = {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+    workers = {"rank": np.arange(8, dtype=np.int32), "dp_rank": np.repeat(np.arange(2, dtype=np.int16), 4),
+               "pp_rank": np.tile(np.arange(4, dtype=np.int16), 2), "node": np.array(["n1"] * 8),
+               "device": np.array([f"cuda:{i}" for i in range(8)])}
+    return Trace(meta=TraceMeta(dp=2, pp=4, num_microbatches=16), ops=ops, workers=workers)
+
+
+def test_replicas_of_an_uneven_micro_batch_split_keep_their_own_order():
+    # The replicas' 1F1B schedules differ (14 micro-batches against 2): on stage 0 the
+    # first backward follows 3 forwards on one and 1 on the other. Ordered by the mean
+    # start over both, it came before a forward it follows on the first replica, and on
+    # the demo's trace after S2's plan that made a cycle through the p2p groups ("the
+    # ops' order deadlocks": no post-mortem). Each replica's order is kept now.
+    m = build_model(_uneven_trace(even_steps=0, uneven_steps=6))
+    assert m.steps.tolist() == list(range(6)) and m.dropped == ()
+    for d in range(2):
+        for p in range(4):
+            mine = np.flatnonzero((m.t_pp == p) & m.present[:, d] & (m.t_optype != STEP_START_CODE))
+            starts = m.start[mine, d, :]            # (ops of the stage on d, steps), template order
+            assert (np.diff(starts, axis=0) >= 0).all(), (d, p)
