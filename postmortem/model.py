@@ -358,8 +358,8 @@ def _whole_steps(observed: _Observed, *, num_stages: int, where: str) -> _Kept:
     # a damaged step misses its damaged rows: it is already in the damaged-rows note
     mismatched = mismatch & usable
     if mismatched.any():
-        notes += (f"{int(mismatched.sum())} step(s) with missing or extra ops "
-                  f"(truncated, unmatched, or another micro-batch split) dropped: steps {_fmt_list(observed.step_numbers[mismatched])}",)
+        notes += (f"{int(mismatched.sum())} step(s) with missing or extra ops (truncated, unmatched, "
+                  f"or another micro-batch split) dropped: steps {_fmt_list(observed.step_numbers[mismatched])}",)
     keep_steps = usable & ~mismatch
     if not keep_steps.any():
         raise InputError(f"{where}: no whole step in the trace (every step has missing or damaged ops)")
@@ -401,10 +401,11 @@ def _ordered_with_step_starts(template: _Template, *, num_stages: int) -> _Templ
     # start * present is start itself when every op is present (x * 1.0 == x): skip the copy
     weighted = template.start if template.present.all() else template.start * template.present[:, :, None]
     instances = np.maximum(template.present.sum(axis=1) * N, 1)
-    mean_start = np.concatenate([weighted.sum(axis=(1, 2)) / instances, np.full(P, -1.0)])
+    replica_sum = weighted.sum(axis=2)  # (n_t, D)
+    mean_start = np.concatenate([replica_sum.sum(axis=1) / instances, np.full(P, -1.0)])
     order = np.lexsort((occ, code, mean_start, pp))
     # each DP replica's own order: its mean start over its instances
-    replica_start = np.concatenate([weighted.sum(axis=2) / N, np.full((P, D), -1.0)])
+    replica_start = np.concatenate([replica_sum / N, np.full((P, D), -1.0)])
     order = _consistent_order(order, pp, code, occ, replica_start, present)
     # gather the ordered tensors straight from the template's and the step-start ops'
     # rows: one copy of each (n_t, D, N) tensor, not a concatenation and then a permutation
