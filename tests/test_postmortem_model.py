@@ -186,3 +186,21 @@ def test_replicas_of_an_uneven_micro_batch_split_keep_their_own_order():
             mine = np.flatnonzero((m.t_pp == p) & m.present[:, d] & (m.t_optype != STEP_START_CODE))
             starts = m.start[mine, d, :]            # (ops of the stage on d, steps), template order
             assert (np.diff(starts, axis=0) >= 0).all(), (d, p)
+
+
+def test_the_reference_jobs_trace_under_s2s_plan_is_analysed():
+    # A real run (tests/assets/reference_job/README.md): 42 traced steps on the job's
+    # 8,8 split, then 58 on S2's 13,3. Refused before ("the ops' order deadlocks").
+    from postmortem.analysis import analyze
+    from postmortem.schema import read_trace
+
+    from conftest import REPO
+
+    result = analyze(read_trace(REPO / "tests/assets/reference_job/s2_split_13_3.h5"))
+    report = result.to_json()
+    assert len(result.model.steps) == 58
+    assert any(note.startswith("42 step(s) with missing or extra ops (truncated, unmatched, or another "
+                               "micro-batch split)") for note in report["dropped"]), report["dropped"]
+    # the replay of the real durations gives the real step times back
+    assert abs(report["simulation_error"]) < 0.05, report["simulation_error"]
+    assert report["slowdown"] > 1.5        # rank 5 ran at a quarter of its CPU throughout
