@@ -74,7 +74,9 @@ def timeline(events: list[dict], out: Path, truth: dict | None = None) -> str:
     t0 = truth["start"] if truth else (events[0]["time"] if events else 0.0)
     lines = [f"injected {truth['end'] - truth['start']:.1f} s" if truth else "no injection"]
     for e in events:
-        detail = e.get("verdict", {}).get("where", "") if isinstance(e.get("verdict"), dict) else ""
+        verdict = e.get("verdict")
+        detail = (verdict.get("where", "") if isinstance(verdict, dict)
+                  else " ".join(f"{k}={e[k]}" for k in ("microbatch_split", "seconds", "why") if k in e))
         lines.append(f"{e['time'] - t0:+8.1f} s  step {sum(end <= e['time'] for end in ends):4d}  "
                      f"{e['kind']} {detail}".rstrip())
     if ends:

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from greyhound.control.events import read_events
-from reference_job import GREYHOUND, RUN_DIR_BASE, losses, submit, wait_tracking
+from reference_job import GREYHOUND, RUN_DIR_BASE, losses, submit, timeline, wait_tracking
 
 pytestmark = pytest.mark.cluster
 
@@ -41,8 +41,9 @@ def _median_step_s(rows: list[dict], start: float, end: float) -> float:
 
 def test_a_compute_fail_slow_is_rebalanced_by_s2_and_the_job_learns_exactly_the_same(cluster, tmp_path):
     mitigated, events, truth = _run(tmp_path, "mitigate")
+    seen = timeline(events, tmp_path / "mitigate", truth)
     plans = [e for e in events if e["kind"] == "mitigation"]
-    assert plans, events
+    assert plans, seen
     plan = plans[0]
     # Rank 5 is in DP replica 1 (ranks 4-7): its replica gives micro-batches away.
     assert plan["level"] == "S2" and plan["previous"] == [8, 8], plan
@@ -52,7 +53,7 @@ def test_a_compute_fail_slow_is_rebalanced_by_s2_and_the_job_learns_exactly_the_
     # steps that ran it while the fail-slow lasted (the planner may step back early:
     # a wrong step back costs one more detection, never what is learned).
     applied = [r for r in mitigated if r["microbatch_split"] == plan["microbatch_split"]]
-    assert applied and truth["start"] < applied[0]["time"] < truth["end"], (truth, applied[0])
+    assert applied and truth["start"] < applied[0]["time"] < truth["end"], (applied[:1], seen)
 
     unmitigated, detect_events, detect_truth = _run(tmp_path, "detect")
     assert not [e for e in detect_events if e["kind"].startswith("mitigation")]
@@ -61,7 +62,8 @@ def test_a_compute_fail_slow_is_rebalanced_by_s2_and_the_job_learns_exactly_the_
     paused = next(e for e in detect_events if e["kind"] == "paused")
     with_plan = _median_step_s(applied, applied[0]["time"] + 2, truth["end"])
     without = _median_step_s(unmitigated, paused["time"], detect_truth["end"])
-    assert with_plan < 0.8 * without, (with_plan, without)
+    assert with_plan < 0.8 * without, (with_plan, without, seen,
+                                       timeline(detect_events, tmp_path / "detect", detect_truth))
     # Same samples, same global batch, gradients weighted by tokens: the same losses.
     got, want = losses(tmp_path / "mitigate"), losses(tmp_path / "detect")
     assert len(got) == len(want) == STEPS
