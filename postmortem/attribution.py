@@ -77,6 +77,17 @@ def attribute(
     masks, scenario = _scenario_masks(model, groups, per_worker=exact)
     step = simulate(model, ideal=ideal.work, keep_real=masks).step_time  # (scenarios, N)
     T = step.mean(axis=1)
+    # An idealised step of 0 s (a trace of 0 s ops) makes every ratio below inf or NaN:
+    # the caller refuses such a trace in one line (analysis.analyze), without numpy's
+    # warnings on the user's terminal before it.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return _attribution(model, ideal, step, T, scenario, groups, exact=exact)
+
+
+def _attribution(model: Model, ideal: Ideal, step: np.ndarray, T: np.ndarray, scenario: dict,
+                 groups: dict[str, np.ndarray], *, exact: bool) -> Attribution:
+    """:func:`attribute`'s figures from the scenarios' step times."""
+    D, P = model.dp, model.pp
     replay, ideal_run = scenario[("replay", None)], scenario[("ideal", None)]
     t_rep, t_id = T[replay], T[ideal_run]
     by_optype = {name: float(T[scenario[("optype", name)]] / t_id) for name in groups}

@@ -464,3 +464,11 @@ def test_a_float128_column_beyond_float64_is_one_line(tmp_path):
         f["ops/start"] = start
     line = assert_one_line_error(cli("postmortem", "--json", path))
     assert "/ops/start holds 1.000e+310, outside its type float64" in line
+
+
+def test_a_trace_whose_idealised_step_takes_no_time_is_one_line_and_no_warning():
+    """Fuzz finding (HDF5 target, 2026-12-02): every op of the trace's model lasts 0 s
+    once idealised; the attribution divided by that zero and numpy printed ten lines of
+    "RuntimeWarning: divide by zero" on stderr before the CLI's one-line refusal."""
+    assert_one_line_error(cli("postmortem", FUZZ / "hdf5-idealised-step-zero.h5"),
+                          "the idealised step takes 0.0 s, so there is no slowdown to compute")
