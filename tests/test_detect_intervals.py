@@ -164,3 +164,24 @@ def test_a_change_accepted_as_slower_opens_at_the_hold_level():
     (interval,) = slow_intervals(x, [onset])
     assert interval.start_index == 100
     assert slow_intervals(x, [_cp(100)]) == []
+
+
+def test_a_drop_accepted_as_faster_must_itself_be_slow_to_keep_the_interval_open():
+    # The reference job back from a 2.6x fail-slow at 1.051x its reference (noise: the
+    # same level as before it, within 5%); at the hold level (1.05) the episode stayed
+    # open to the job's end, and the master never said "recovered" (a CI run).
+    onset = ChangePoint(index=60, detected_at=63, before=1.0, after=2.6)
+    x = np.array([1.0] * 60 + [2.6] * 22 + [1.051] * 46)
+    back = ChangePoint(index=82, detected_at=85, before=2.6, after=1.051)
+    (interval,) = slow_intervals(x, [onset, back])
+    assert (interval.start_index, interval.end_index) == (60, 82)
+    # Still 1.2x after the drop: the fail-slow eased, it did not end.
+    y = np.array([1.0] * 60 + [2.6] * 22 + [1.2] * 46)
+    eased = ChangePoint(index=82, detected_at=85, before=2.6, after=1.2)
+    (interval,) = slow_intervals(y, [onset, eased])
+    assert interval.end_index is None
+    # A change not accepted as 10% faster leaves the hold level in force: 1.06 holds.
+    z = np.array([1.0] * 60 + [1.15] * 10 + [1.06] * 10)
+    hover = ChangePoint(index=70, detected_at=73, before=1.15, after=1.06)
+    (interval,) = slow_intervals(z, [ChangePoint(index=60, detected_at=63, before=1.0, after=1.15), hover])
+    assert interval.end_index is None

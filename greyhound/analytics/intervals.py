@@ -24,7 +24,10 @@ A regime opens a slow interval if its level is ``min_slowdown`` times the refere
 or half that if its change point was itself accepted as ``min_slowdown`` slower than
 the level right before it (its onset was judged on the level right before it, which a
 drift may have moved off the reference); the interval goes on while regimes stay half
-that far above it (hysteresis, so a level hovering at the threshold does not flap).
+that far above it (hysteresis, so a level hovering at the threshold does not flap),
+except a regime that began with a drop accepted as ``min_slowdown`` faster: that is a
+real change, not a hover, and it keeps the interval open only if it is itself
+``min_slowdown`` above the reference.
 The interval's slowdown is its median iteration time over the reference at its onset.
 """
 
@@ -103,8 +106,14 @@ def slow_intervals(
             continue
         slowdown = float(np.median(x[lo : min(hi, lo + level_window)])) / healthy
         # A regime whose change point was itself accepted as min_slowdown slower
-        # opens at the hold level; an open interval goes on at it.
-        opens = hold if ratio >= min_slowdown or onset is not None else min_slowdown
+        # opens at the hold level; an open interval goes on at it, unless the regime
+        # began with a drop accepted as min_slowdown faster: then it must itself be
+        # min_slowdown slow (a job back from a 2.6x fail-slow at 1.051x its reference,
+        # noise, stayed "slow" to its end at the hold level).
+        if onset is None:
+            opens = hold if ratio >= min_slowdown else min_slowdown
+        else:
+            opens = min_slowdown if ratio * min_slowdown <= 1.0 else hold
         if slowdown >= opens:
             if onset is None:
                 onset, onset_healthy = lo, healthy
