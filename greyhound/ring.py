@@ -363,6 +363,10 @@ class RingReader:
         again = self._slots(start, stop, self._records["seq"])
         want = idx + np.uint64(1)
         ok = (copy["seq"] == want) & (again == want)
+        if ok.all():  # the usual case, in three operations fewer
+            self._pending_since = None
+            self._advance(stop)
+            return Batch(records=copy, lost=lost)
         overwritten = (copy["seq"] > want) | (again > want)
         unfinished = ~ok & ~overwritten
         end = stop

@@ -28,3 +28,14 @@ def test_no_figure_without_iterations_and_the_history_is_bounded():
         proc.polls.append((0.5, 0.25, 1))
     assert len(proc.polls) == HISTORY_POLLS
     assert proc.compute_per_iteration() == (pytest.approx(0.25), pytest.approx(0.25))
+
+
+def test_recent_median_is_numpys_median_of_the_last_three():
+    import numpy as np
+
+    from greyhound.control.agent import recent_median
+
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 3, 4, 9):
+        times = rng.random(n)
+        assert recent_median(times) == float(np.median(times[-3:]))

@@ -262,6 +262,10 @@ class RankTracker:
     def _count_gaps(self, seq: np.ndarray) -> int:
         if not len(seq):
             return 0
+        if int(seq[0]) == self._last_seq + 1 and (len(seq) == 1 or bool((np.diff(seq) == 1).all())):
+            self._last_seq = int(seq[-1])     # consecutive, the usual case: no gap
+            self._gap_at = -1
+            return 0
         expected = np.concatenate(([self._last_seq + 1], seq[:-1] + 1))
         gaps = np.maximum(seq - expected, 0)
         self._last_seq = max(self._last_seq, int(seq[-1]))

@@ -45,7 +45,8 @@ class AgentConfig:
     comm_window_iterations: int = 10
     """Iterations the per-communicator figures cover."""
     comm_every_polls: int = 4
-    """Polls between updates of the per-communicator figures (profiling reads them)."""
+    """Polls between updates of the per-communicator figures (profiling reads them) and
+    appends to the published iteration times."""
     summary_every_polls: int = 20
     """Polls between full recomputations of a rank's slow interval and baseline when
     no change point came (a change point recomputes them at once)."""
@@ -126,6 +127,13 @@ def blocked_seconds(records: np.ndarray) -> float:
     return float((inside["t_end_ns"].astype(np.int64) - inside["t_start_ns"].astype(np.int64)).clip(min=0).sum()) / 1e9
 
 
+def recent_median(times: np.ndarray) -> float:
+    """Median of the last three iteration times (one slow iteration does not move it);
+    in Python: np.median on three numbers cost 40 us, a tenth of a rank's poll."""
+    last = sorted(float(t) for t in times[-3:])
+    return last[len(last) // 2] if len(last) % 2 else (last[0] + last[1]) / 2
+
+
 def release(proc: _Process) -> None:
     """Lets the rank go on from the pause gate. The seconds it was held there are
     greyhound's, not the job's: its tracker measures the iteration without them."""
@@ -145,9 +153,22 @@ class NodeAgent:
         self.processes: dict[Path, _Process] = {}
         self._foreign: set[Path] = set()
         self._polls = 0
+        self._listed: int | None = None
+        """The run dir's mtime (ns) when it was last listed with every ring opened."""
 
     def discover(self) -> None:
-        """Opens the rings of this node that appeared since the last call."""
+        """Opens the rings of this node that appeared since the last call.
+
+        The run dir is listed again only when its mtime changed (a ring file was
+        created), it had changed within the last second, or a ring was not ready at
+        the last listing: listing it every poll was a twentieth of an agent's cost."""
+        try:
+            mtime = os.stat(self.run_dir).st_mtime_ns
+        except OSError:
+            mtime = None
+        if mtime is not None and mtime == self._listed:
+            return
+        ready = True
         for path in ring_paths(self.run_dir):
             if path in self.processes or path in self._foreign:
                 continue
@@ -155,12 +176,17 @@ class NodeAgent:
                 reader = RingReader(path)
             except RingError as exc:   # not ready yet (magic written last), or not ours
                 log.debug("%s", exc)
+                ready = False
                 continue
             if reader.info.node != self.node:
                 reader.close()
                 self._foreign.add(path)
                 continue
             self.processes[path] = _Process(reader=reader, tracker=RankTracker(rank=reader.info.rank))
+        # A file created in the same tick of the kernel's coarse clock as the listing
+        # leaves the mtime as it was: trust an mtime only once it is a second old.
+        settled = mtime is not None and time.time_ns() - mtime > 1_000_000_000
+        self._listed = mtime if ready and settled else None
 
     def poll(self) -> None:
         """Reads every ring and feeds its tracker."""
@@ -228,7 +254,7 @@ class NodeAgent:
             proc.summary_cache = cached
         times = tracker.iteration_times
         return {"period": tracker.period, "iterations": n,
-                "current_s": float(np.median(times[-3:])) if n else None,
+                "current_s": recent_median(times) if n else None,
                 "lost": tracker.lost_records, **cached[1]}
 
     @staticmethod
@@ -254,7 +280,7 @@ class NodeAgent:
             cut_step = int(cut["comm_ordinal"]) // max(1, per_iteration)
         return RankClock(rank=proc.reader.info.rank, iteration=n - 1, cut_step=cut_step,
                          started_s=float(proc.reader.info.unix_seconds(cut_ns)),
-                         iteration_s=float(np.median(tracker.iteration_times[-3:])),
+                         iteration_s=recent_median(tracker.iteration_times),
                          cut_position=int(cut["position"]) if len(collective) else -1)
 
     def publish(self, client) -> None:
@@ -269,10 +295,15 @@ class NodeAgent:
             rank = info.rank if info.rank >= 0 else info.pid
             ranks.append(rank)
             n = tracker.num_iterations
-            restart, proc.republish = proc.republish, False
-            first = 0 if restart else proc.published_iterations
-            new = [float(t) for t in tracker.iteration_times[max(first, n - store.ITERATIONS_KEPT):]]
-            proc.published_iterations = n
+            # The iteration list is appended every few polls, with the comm figures:
+            # two commands per rank and poll were a fifth of the agent's cost, and no
+            # decision reads the list (the fields below carry what the master uses).
+            restart, new = proc.republish, []
+            if restart or with_comms:
+                proc.republish = False
+                first = 0 if restart else proc.published_iterations
+                new = tracker.iteration_times[max(first, n - store.ITERATIONS_KEPT):].tolist()
+                proc.published_iterations = n
             window = tracker.iteration_times[-self.config.comm_window_iterations:]
             store.publish_rank(pipe, rank, new_times=new, restart=restart, fields={
                 "node": self.node, "pid": info.pid, **self.summary(proc),
