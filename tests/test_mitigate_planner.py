@@ -137,6 +137,7 @@ def _train(rank: int, port: int, run_dir: str, steps: int, out) -> None:
 
         client = read_address(run_dir).client()
     splits = []
+    placement = ((0, 0), (1, 0))
     for step in range(steps):
         if rank == 0 and step == 3:
             client.set(store.PLAN, json.dumps({"version": 1, "microbatch_split": [6, 2]}))
@@ -144,10 +145,23 @@ def _train(rank: int, port: int, run_dir: str, steps: int, out) -> None:
             client.set(store.PLAN, json.dumps({"version": 2, "microbatch_split": [7, 7]}))
         if rank == 0 and step == 8:     # S4: a checkpoint, once
             client.set(store.PLAN, json.dumps({"version": 3, "microbatch_split": [6, 2], "checkpoint": True}))
+        if rank == 0 and step == 11:    # S3: the two ranks swap replicas
+            client.set(store.PLAN, json.dumps({"version": 4, "microbatch_split": [6, 2],
+                                               "placement": [[1, 0], [0, 0]]}))
+        if rank == 0 and step == 12:    # malformed placements: the plan in force stays
+            client.set(store.PLAN, json.dumps({"version": 5, "microbatch_split": [6, 2],
+                                               "placement": [[0, 0], [0, 0]]}))
+        if rank == 0 and step == 13:
+            client.set(store.PLAN, json.dumps({"version": 6, "microbatch_split": [6, 2], "placement": {"0": 1}}))
+        if rank == 0 and step == 14:    # S2 alone (no placement): the placement in force stays
+            client.set(store.PLAN, json.dumps({"version": 7, "microbatch_split": [4, 4]}))
         plan = m.step(step)
-        splits.append((*plan.microbatch_split, plan.checkpoint))
+        splits.append((*plan.microbatch_split, plan.checkpoint, plan.placement))
         if plan.checkpoint:
             m.checkpointed(step)
+        if plan.placement != placement:
+            placement = plan.placement
+            m.relaid_out(step, seconds=0.25, bytes_moved=1024)
         dist.barrier()                  # rank 1 may run ahead of rank 0's writes otherwise
     out.put((rank, splits))
     dist.destroy_process_group()
@@ -160,7 +174,7 @@ def test_every_rank_switches_to_a_plan_at_the_same_step_and_a_bad_plan_changes_n
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_train, args=(r, port, str(run_dir), 11, out)) for r in range(2)]
+    procs = [ctx.Process(target=_train, args=(r, port, str(run_dir), 16, out)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict(out.get(timeout=120) for _ in procs)
@@ -169,14 +183,19 @@ def test_every_rank_switches_to_a_plan_at_the_same_step_and_a_bad_plan_changes_n
     assert [p.exitcode for p in procs] == [0, 0]
     # Rank 0 finds the board at step 0 and reads each step; the plan set before step 3's
     # read holds from step 3 on, on both ranks; the bad one (sum 14, not 8) is ignored;
-    # S4's checkpoint is due at step 8 alone, on both ranks.
-    want = [(4, 4, False)] * 3 + [(6, 2, False)] * 5 + [(6, 2, True)] + [(6, 2, False)] * 2
+    # S4's checkpoint is due at step 8 alone, on both ranks; S3's placement from step
+    # 11, kept through two malformed ones and a plan that re-splits only.
+    own, swapped = ((0, 0), (1, 0)), ((1, 0), (0, 0))
+    want = ([(4, 4, False, own)] * 3 + [(6, 2, False, own)] * 5 + [(6, 2, True, own)] + [(6, 2, False, own)] * 2
+            + [(6, 2, False, swapped)] * 3 + [(4, 4, False, swapped)] * 2)
     assert got[0] == got[1] == want
     assert json.loads(client.get(store.TRAINING_LAYOUT)) == {"microbatch_split": [4, 4], "replicas": [[0], [1]]}
-    assert json.loads(client.get(store.TRAINING_APPLIED)) == {"version": 3, "step": 8, "microbatch_split": [6, 2]}
+    assert json.loads(client.get(store.TRAINING_APPLIED)) == {"version": 7, "step": 14, "microbatch_split": [4, 4],
+                                                              "placement": [[1, 0], [0, 0]]}
     assert json.loads(client.get(store.TRAINING_CHECKPOINTED)) == {"version": 3, "step": 8}
+    assert json.loads(client.get(store.TRAINING_RELAID)) == {"version": 4, "step": 11, "pause_s": 0.25, "bytes": 1024}
     shown = store.read_job(client)
-    assert shown["plan"]["version"] == 3 and shown["applied"]["version"] == 3 and shown["ranks"] == {}
+    assert shown["plan"]["version"] == 7 and shown["applied"]["version"] == 7 and shown["ranks"] == {}
 
 
 def test_status_says_which_plan_is_in_force_and_since_when():
@@ -189,3 +208,14 @@ def test_status_says_which_plan_is_in_force_and_since_when():
     shown["applied"] = {"version": 1, "step": 68, "microbatch_split": [13, 3]}
     assert "13,3, in force from step 68;" in render_text(shown)
     assert "mitigation" not in render_text({"job_id": "7", "control_plane": "tracking", "plan": None})
+
+
+def test_the_jobs_own_placement_comes_from_its_replicas():
+    from greyhound.mitigate.training import placement_of
+
+    # Megatron's order for DP=2 x PP=4: rank = stage * 2 + replica.
+    assert placement_of([[0, 2, 4, 6], [1, 3, 5, 7]]) == (
+        (0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3))
+    for bad in ([[0, 1], [1, 2]], [[0, 1], [2]], [[0, 3], [1, 2, 4]]):
+        with pytest.raises(ValueError, match="ranks 0..N-1 once each"):
+            placement_of(bad)

@@ -13,10 +13,12 @@ has one writer: the module named beside it; everyone else only reads it.
 | ``suspects`` | string | master | JSON list of ``{"kind", "rank", "node", "comm", "why"}`` |
 | ``verdicts`` | list | master | JSON ``{"kind", "rank", "node", "nodes", "severity", "since", "measurements"}`` |
 | ``pauses`` | hash | master | ``count``, ``total_s``, ``last_s`` |
-| ``plan`` | string | planner | JSON ``{"version", "microbatch_split", "level", "why"}``: the mitigation plan the training processes are to apply |
+| ``plan`` | string | planner | JSON ``{"version", "microbatch_split", "level", "why"}``, ``"checkpoint"`` (S4) and ``"placement"`` (S3: ``[replica, stage]`` per rank; absent: the one in force stays): the mitigation plan the training processes are to apply |
 | ``mitigation:watch`` | string | planner | JSON ``{"version", "recovered_polls", "work"}``: the stragglers' work per iteration under the plan |
 | ``training:layout`` | string | training rank 0 | JSON ``{"microbatch_split", "replicas"}``: the job's own split and the ranks of each DP replica |
-| ``training:applied`` | string | training rank 0 | JSON ``{"version", "step", "microbatch_split"}``: the plan in force and the step it started at |
+| ``training:applied`` | string | training rank 0 | JSON ``{"version", "step", "microbatch_split"}`` and ``"placement"`` when it is not the job's own: the plan in force and the step it started at |
+| ``training:checkpointed`` | string | training rank 0 | JSON ``{"version", "step"}`` (``step`` null and ``"why"`` when none could be saved): the checkpoint S4 asked for |
+| ``training:relaid`` | string | training rank 0 | JSON ``{"version", "step", "pause_s", "bytes"}``: the last placement applied, and what its pause cost |
 """  # noqa: E501  (a Markdown table: its rows cannot wrap)
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ MITIGATION_WATCH = "mitigation:watch"
 TRAINING_LAYOUT = "training:layout"
 TRAINING_APPLIED = "training:applied"
 TRAINING_CHECKPOINTED = "training:checkpointed"
+TRAINING_RELAID = "training:relaid"
 
 
 def rank_key(rank: int) -> str:

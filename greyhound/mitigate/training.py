@@ -10,6 +10,11 @@
         if plan.checkpoint:                   # S4: greyhound requeues the job once saved
             save_checkpoint(step)             # the state after `step` completed steps
             mitigation.checkpointed(step)
+        if plan.placement != placement:       # S3: ranks take other (replica, stage) cells
+            t0 = time.monotonic()
+            moved = move_stage_state(placement, plan.placement)   # point to point, in memory
+            placement = plan.placement        # and the process groups rebuilt for it
+            mitigation.relaid_out(step, seconds=time.monotonic() - t0, bytes_moved=moved)
         ...                                   # replica i takes its consecutive run of the
                                               # global batch: first = sum(split[:i])
 
@@ -22,7 +27,10 @@ step with a split the others do not use, however late each one reads the board.
 
 What is learned does not change: a plan only moves micro-batches between replicas
 (the global batch, its samples and their order stay the same), and the loop weights
-gradients by tokens of the whole global batch, as it does for any split.
+gradients by tokens of the whole global batch, as it does for any split. A placement
+(S3) only changes which process computes which cell of the DP x PP grid: replica d's
+micro-batches stay replica d's, and a stage's parameters and optimizer state move
+bit for bit to the process that holds the stage now.
 
 Fail open: whatever goes wrong on rank 0 (no Redis yet, a malformed plan, a lost
 connection) keeps the plan in force and is logged once; the broadcast still happens,
@@ -41,6 +49,7 @@ from greyhound.control.store import PLAN as PLAN_KEY
 from greyhound.control.store import TRAINING_APPLIED as APPLIED_KEY
 from greyhound.control.store import TRAINING_CHECKPOINTED as CHECKPOINTED_KEY
 from greyhound.control.store import TRAINING_LAYOUT as LAYOUT_KEY
+from greyhound.control.store import TRAINING_RELAID as RELAID_KEY
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +70,21 @@ class Plan:
     """Save a checkpoint before this step, then call :meth:`Mitigation.checkpointed`:
     greyhound requeues the job without a bad node once it is saved (S4), and the job
     resumes from it. True at one step only."""
+    placement: tuple[tuple[int, int], ...] = ()
+    """(DP replica, pipeline stage) of each global rank from this step on: the job's own
+    placement (from ``replicas``) until an S3 plan moves ranks. When it differs from the
+    placement the loop runs, the loop moves stage state to the new holders and rebuilds
+    its process groups before the step, then calls :meth:`Mitigation.relaid_out`."""
+
+
+def placement_of(replicas: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
+    """(replica, stage) of each global rank, from the ranks of each replica's stages in
+    order (``replicas[d][s]`` is the rank of replica d's stage s)."""
+    cells = {int(rank): (d, s) for d, members in enumerate(replicas) for s, rank in enumerate(members)}
+    if sorted(cells) != list(range(sum(len(r) for r in replicas))) or len({len(r) for r in replicas}) > 1:
+        raise ValueError(f"replicas {[list(r) for r in replicas]} must hold ranks 0..N-1 once each, "
+                         "the same number of stages in every replica")
+    return tuple(cells[r] for r in range(len(cells)))
 
 
 class Mitigation:
@@ -71,8 +95,8 @@ class Mitigation:
         split = tuple(int(m) for m in microbatch_split)
         if len(split) != len(replicas) or min(split, default=0) < 1:
             raise ValueError(f"microbatch_split {split} needs one entry >= 1 per replica ({len(replicas)})")
-        self.default = Plan(version=0, microbatch_split=split)
         self.replicas = [list(map(int, r)) for r in replicas]
+        self.default = Plan(version=0, microbatch_split=split, placement=placement_of(self.replicas))
         self.rank = rank
         self.active = active
         self.run_dir = run_dir
@@ -99,17 +123,27 @@ class Mitigation:
         import torch.distributed as dist
 
         wanted = self._read_board(step) if self.rank == 0 else self.plan
-        buf = torch.tensor([wanted.version, int(wanted.checkpoint), *wanted.microbatch_split], dtype=torch.int64)
+        # One fixed-length message, the same on every rank: version, checkpoint, the
+        # split (a number per replica), the placement (two per rank).
+        buf = torch.tensor([wanted.version, int(wanted.checkpoint), *wanted.microbatch_split,
+                            *(x for cell in wanted.placement for x in cell)], dtype=torch.int64)
         dist.broadcast(buf, src=0)
-        version, checkpoint, *split = buf.tolist()
+        version, checkpoint, *rest = buf.tolist()
         if version == self.plan.version:
             return dataclasses.replace(self.plan, checkpoint=False)
-        self.plan = Plan(version=version, microbatch_split=tuple(split), checkpoint=bool(checkpoint))
+        split, flat = rest[:len(self.replicas)], rest[len(self.replicas):]
+        placement = tuple(zip(flat[0::2], flat[1::2]))
+        moved = placement != self.plan.placement
+        self.plan = Plan(version=version, microbatch_split=tuple(split), checkpoint=bool(checkpoint),
+                         placement=placement)
         if self.rank == 0:
-            log.warning("greyhound: plan %d from step %d: micro-batches per DP replica %s%s",
+            log.warning("greyhound: plan %d from step %d: micro-batches per DP replica %s%s%s",
                         version, step, ",".join(map(str, split)),
+                        "; ranks move to other pipeline stages (S3)" if moved else "",
                         "; checkpoint now: greyhound requeues this job without a slow node" if checkpoint else "")
-            self._tell(APPLIED_KEY, {"version": version, "step": step, "microbatch_split": split})
+            self._tell(APPLIED_KEY, {"version": version, "step": step, "microbatch_split": split,
+                                     **({"placement": [list(c) for c in placement]}
+                                        if placement != self.default.placement else {})})
         return self.plan
 
     def checkpointed(self, step: int | None, *, why: str = "") -> None:
@@ -119,6 +153,14 @@ class Mitigation:
         if self.active and self.rank == 0:
             self._tell(CHECKPOINTED_KEY, {"version": self.plan.version, "step": step,
                                           **({"why": why} if why else {})})
+
+    def relaid_out(self, step: int, *, seconds: float, bytes_moved: int = 0) -> None:
+        """The placement of the plan in force is applied before ``step``: the job paused
+        ``seconds`` for it (moving state, rebuilding groups), which is what S3 costs
+        this job (rank 0 tells the master, whose ladder weighs the next move by it)."""
+        if self.active and self.rank == 0:
+            self._tell(RELAID_KEY, {"version": self.plan.version, "step": step,
+                                    "pause_s": round(float(seconds), 6), "bytes": int(bytes_moved)})
 
     # ---- rank 0: the job's Redis --------------------------------------------------
 
@@ -169,7 +211,23 @@ class Mitigation:
                 or not all(isinstance(m, int) and m >= 1 for m in split) or sum(split) != total):
             raise ValueError(f"plan {version}: microbatch_split {split!r} is not {len(self.replicas)} "
                              f"integers >= 1 summing to {total}")
-        return Plan(version=version, microbatch_split=tuple(split), checkpoint=plan.get("checkpoint", False))
+        placement = self.plan.placement if plan.get("placement") is None else \
+            self._check_placement(version, plan["placement"])
+        return Plan(version=version, microbatch_split=tuple(split), checkpoint=plan.get("checkpoint", False),
+                    placement=placement)
+
+    def _check_placement(self, version: int, placement) -> tuple[tuple[int, int], ...]:
+        """A plan's placement: a [replica, stage] pair per rank, each cell of the grid once."""
+        dp, pp = len(self.replicas), len(self.replicas[0])
+        grid = [(d, s) for d in range(dp) for s in range(pp)]
+        cells = []
+        for cell in placement if isinstance(placement, list) else ():
+            if isinstance(cell, list) and len(cell) == 2 and all(type(x) is int for x in cell):
+                cells.append((cell[0], cell[1]))
+        if not isinstance(placement, list) or len(cells) != len(placement) or sorted(cells) != grid:
+            raise ValueError(f"plan {version}: placement is not {dp * pp} [replica, stage] pairs covering "
+                             f"the {dp} x {pp} grid once each")
+        return tuple(cells)
 
     def _tell(self, key: str, value: dict) -> None:
         try:
