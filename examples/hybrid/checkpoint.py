@@ -36,6 +36,28 @@ def _atomic_save(obj, path: Path) -> None:
         torch.save(obj, f)
 
 
+def stage_state(*, pp_rank: int, layers: range, module, optimizer) -> dict:
+    """A stage's training state, as a stage file holds it (and as S3 sends it to a rank
+    that takes the stage, hybrid/relayout.py). The tensors alias the live ones."""
+    return {
+        "pp_rank": pp_rank,
+        "layers": [layers.start, layers.stop],
+        "model": module.state_dict(),
+        "optimizer": optimizer.state_dict(),
+    }
+
+
+def load_stage_state(state: dict, *, pp_rank: int, layers: range, module, optimizer, source: str,
+                     hint: str = "") -> None:
+    """Loads a stage's state (from ``source``: a file, a rank) into a stage built for
+    ``pp_rank`` and its blocks; CheckpointError when it is another stage's."""
+    if state["pp_rank"] != pp_rank or state["layers"] != [layers.start, layers.stop]:
+        raise CheckpointError(f"{source}: stage {state['pp_rank']} held blocks {state['layers']}, this job gives "
+                              f"stage {pp_rank} [{layers.start}, {layers.stop}){hint}")
+    module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+
+
 def save(root: str, *, step: int, pp_rank: int, dp_rank: int, rank: int, module, optimizer,
          layers: range) -> None:
     """Collective over the world: save the state after ``step`` completed steps."""
@@ -43,13 +65,7 @@ def save(root: str, *, step: int, pp_rank: int, dp_rank: int, rank: int, module,
     step_dir = _step_dir(root_path, step)
     if dp_rank == 0:
         step_dir.mkdir(parents=True, exist_ok=True)
-        state = {
-            "step": step,
-            "pp_rank": pp_rank,
-            "layers": [layers.start, layers.stop],
-            "model": module.state_dict(),
-            "optimizer": optimizer.state_dict(),
-        }
+        state = {"step": step, **stage_state(pp_rank=pp_rank, layers=layers, module=module, optimizer=optimizer)}
         _atomic_save(state, step_dir / f"stage-{pp_rank:02d}.pt")
     dist.barrier()
     if rank == 0:
@@ -79,8 +95,5 @@ def load(root: str, *, step: int, pp_rank: int, module, optimizer, layers: range
         state = torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing (was it saved with another --pp?)") from None
-    if state["layers"] != [layers.start, layers.stop]:
-        raise CheckpointError(f"{path}: stage {pp_rank} held blocks {state['layers']}, this job gives it "
-                              f"[{layers.start}, {layers.stop}); resume with the same --pp and --stage-layers")
-    module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    load_stage_state(state, pp_rank=pp_rank, layers=layers, module=module, optimizer=optimizer, source=str(path),
+                     hint="; resume with the same --pp and --stage-layers")

@@ -29,8 +29,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, argv: list[str], log_path: str | None) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+def _child(rank: int, world: int, port: int, argv: list[str], log_path: str | None, env: dict[str, str]) -> None:
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     for var in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
         os.environ.pop(var, None)
@@ -48,11 +48,13 @@ def _child(rank: int, world: int, port: int, argv: list[str], log_path: str | No
 
 
 def run_local(argv: list[str], *, nproc: int, timeout_s: float = 300.0, log_dir: str | None = None,
-              port: int | None = None) -> list[int]:
+              port: int | None = None, env: dict[str, str] | None = None) -> list[int]:
     """Run ``gpt_hybrid.main(argv)`` on ``nproc`` forked ranks; returns their exit codes
     (negative: killed by that signal).  On a failure or the timeout the rest are killed.
 
     ``log_dir``: each rank's stdout and stderr go to ``<log_dir>/rank-N.log``.
+    ``env``: variables the ranks get besides the fork server's environment (which is
+    the one of the process that first started it, not this caller's now).
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
@@ -60,7 +62,7 @@ def run_local(argv: list[str], *, nproc: int, timeout_s: float = 300.0, log_dir:
     procs = []
     for rank in range(nproc):
         log_path = os.path.join(log_dir, f"rank-{rank}.log") if log_dir else None
-        p = ctx.Process(target=_child, args=(rank, nproc, port, list(argv), log_path), daemon=False)
+        p = ctx.Process(target=_child, args=(rank, nproc, port, list(argv), log_path, dict(env or {})), daemon=False)
         p.start()
         procs.append(p)
     deadline = time.monotonic() + timeout_s

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from greyhound.mitigate.training import Mitigation
 
-from hybrid import checkpoint
+from hybrid import checkpoint, relayout
 from hybrid.config import DataConfig, ModelConfig, TrainConfig, UsageError, first_microbatch
 from hybrid.data import SyntheticData
 from hybrid.grads import MainGrads
@@ -119,10 +119,10 @@ class _Stage:
 
 
 def _build_stage(cfg: TrainConfig, model_cfg: ModelConfig, rank: int, layout: ParallelLayout, layers_of,
-                 device: torch.device) -> _Stage:
+                 device: torch.device, dp_groups: list) -> _Stage:
+    """This rank's stage under ``layout``, freshly initialised; ``dp_groups``: every
+    stage's DP group (relayout.rebuild_groups)."""
     dp_rank, pp_rank = layout.coords_of(rank)
-    # Every rank creates every DP group, in the same order (new_group is collective).
-    dp_groups = [dist.new_group(layout.dp_group(s)) for s in range(cfg.pp)]
     # NCCL wants the first call on the world group to be collective, not a p2p.
     dist.barrier()
     first, last = pp_rank == 0, pp_rank == cfg.pp - 1
@@ -218,15 +218,58 @@ def _merge_trace(cfg: TrainConfig, penv: ProcessEnv) -> None:
         log.warning("timeline trace not merged: %s", exc)
 
 
+def _stop_recording(recorder, rank: int, step: int):
+    """The timeline file of a rank names one (dp_rank, pp_rank) in its header: the
+    trace ends at the first move (the post-mortem analyses the steps before it)."""
+    if recorder is NO_RECORDER:
+        return recorder
+    recorder.close()
+    if rank == 0:
+        log.warning("greyhound S3 moved ranks before step %d: the timeline trace ends there", step)
+    return NO_RECORDER
+
+
+def _hand_over_metrics(cfg: TrainConfig, metrics_file, rank: int, layout: ParallelLayout):
+    """The metrics rows are written by the rank that computes the loss, replica 0's last
+    stage: after a move, maybe another rank, which appends to the same file."""
+    writer = rank == layout.rank_of(dp_rank=0, pp_rank=cfg.pp - 1)
+    dist.barrier()            # a new writer opens the file after the old one stopped writing
+    if metrics_file is not None and not writer:
+        metrics_file.close()
+        return None
+    if metrics_file is None and writer and cfg.metrics:
+        return open(cfg.metrics, "a", encoding="utf-8")   # closed by the caller
+    return metrics_file
+
+
 def _save(cfg: TrainConfig, stage: _Stage, rank: int, *, done: int) -> None:
     """Collective: the checkpoint of the state after ``done`` completed steps."""
     checkpoint.save(cfg.checkpoint_dir, step=done, pp_rank=stage.pp_rank, dp_rank=stage.dp_rank,
                     rank=rank, module=stage.ctx.module, optimizer=stage.optimizer, layers=stage.layers)
 
 
+def _relayout(cfg: TrainConfig, model_cfg: ModelConfig, stage: _Stage, layout: ParallelLayout,
+              placement, layers_of, device: torch.device, dp_groups: list):
+    """S3 at a step boundary (collective): every rank takes its cell of ``placement``;
+    the ranks that change stage receive its state from an old holder, in memory, and
+    every rank's stage is built anew and loaded, bit for bit (hybrid/relayout.py).
+    Returns the new layout, stage and DP groups, and the bytes this rank received."""
+    new_layout = layout.with_placement(placement)
+    state = checkpoint.stage_state(pp_rank=stage.pp_rank, layers=stage.layers, module=stage.ctx.module,
+                                   optimizer=stage.optimizer)
+    moved = relayout.move_stages(layout, new_layout, state, rank=stage.rank, device=device)
+    dp_groups = relayout.rebuild_groups(new_layout, old_groups=dp_groups)
+    new_stage = _build_stage(cfg, model_cfg, stage.rank, new_layout, layers_of, device, dp_groups)
+    checkpoint.load_stage_state(moved.state, pp_rank=new_stage.pp_rank, layers=new_stage.layers,
+                                module=new_stage.ctx.module, optimizer=new_stage.optimizer,
+                                source=f"the state rank {stage.rank} received")
+    return new_layout, new_stage, dp_groups, moved.bytes_received
+
+
 def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, device) -> list[dict]:
     rank = penv.rank
-    stage = _build_stage(cfg, model_cfg, rank, layout, layers_of, device)
+    dp_groups = relayout.rebuild_groups(layout)
+    stage = _build_stage(cfg, model_cfg, rank, layout, layers_of, device, dp_groups)
     data = SyntheticData(data_cfg, vocab_size=model_cfg.vocab_size, seed=cfg.seed)
     start_step = _resume(cfg, stage, device)
     recorder = _recorder(cfg, model_cfg, data_cfg, penv, stage, device)
@@ -253,6 +296,16 @@ def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, devi
                     mitigation.checkpointed(step)
                 else:
                     mitigation.checkpointed(None, why="the job has no --checkpoint directory")
+            if plan.placement != layout.cells:     # S3: ranks take other cells of the grid
+                moved_t0 = time.perf_counter()
+                layout, stage, dp_groups, received = _relayout(cfg, model_cfg, stage, layout, plan.placement,
+                                                               layers_of, device, dp_groups)
+                recorder = _stop_recording(recorder, rank, step)
+                metrics_file = _hand_over_metrics(cfg, metrics_file, rank, layout)
+                metrics_rank = layout.rank_of(dp_rank=0, pp_rank=cfg.pp - 1)
+                moved_bytes = torch.tensor([received], dtype=torch.int64)
+                dist.all_reduce(moved_bytes)
+                mitigation.relaid_out(step, seconds=time.perf_counter() - moved_t0, bytes_moved=int(moved_bytes))
             split = plan.microbatch_split
             total_tokens = _train_step(stage, data, step, split, recorder, dp=cfg.dp)
             step_time = time.perf_counter() - t0
