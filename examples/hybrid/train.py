@@ -244,8 +244,11 @@ def _hand_over_metrics(cfg: TrainConfig, metrics_file, rank: int, layout: Parall
 
 def _save(cfg: TrainConfig, stage: _Stage, rank: int, *, done: int) -> None:
     """Collective: the checkpoint of the state after ``done`` completed steps."""
+    t0 = time.perf_counter()
     checkpoint.save(cfg.checkpoint_dir, step=done, pp_rank=stage.pp_rank, dp_rank=stage.dp_rank,
                     rank=rank, module=stage.ctx.module, optimizer=stage.optimizer, layers=stage.layers)
+    if rank == 0:
+        log.info("checkpoint after step %d saved in %.3fs", done, time.perf_counter() - t0)
 
 
 def _relayout(cfg: TrainConfig, model_cfg: ModelConfig, stage: _Stage, layout: ParallelLayout,
@@ -305,7 +308,11 @@ def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, devi
                 metrics_rank = layout.rank_of(dp_rank=0, pp_rank=cfg.pp - 1)
                 moved_bytes = torch.tensor([received], dtype=torch.int64)
                 dist.all_reduce(moved_bytes)
-                mitigation.relaid_out(step, seconds=time.perf_counter() - moved_t0, bytes_moved=int(moved_bytes))
+                moved_s = time.perf_counter() - moved_t0
+                mitigation.relaid_out(step, seconds=moved_s, bytes_moved=int(moved_bytes))
+                if rank == 0:
+                    log.info("greyhound S3: ranks moved before step %d in %.3fs (%d bytes)", step, moved_s,
+                             int(moved_bytes))
             split = plan.microbatch_split
             total_tokens = _train_step(stage, data, step, split, recorder, dp=cfg.dp)
             step_time = time.perf_counter() - t0
