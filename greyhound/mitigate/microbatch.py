@@ -149,7 +149,7 @@ def makespan(allocation: ArrayLike, seconds_per_microbatch: ArrayLike) -> float:
     return float(np.max(m * np.asarray(seconds_per_microbatch, dtype=np.float64)))
 
 
-def _whole(name: str, value: object, least: int) -> int:
+def whole_number(name: str, value: object, least: int) -> int:
     """``value`` as an int >= ``least`` (bools and fractions refused)."""
     if isinstance(value, bool) or not isinstance(value, SupportsIndex):
         raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
@@ -176,9 +176,9 @@ def _validate(
         raise ValueError(
             f"seconds per micro-batch of DP group {bad[0]} is {float(t[bad[0]])!r}; each must be a finite number > 0"
         )
-    m_total = _whole("total", total, 1)
-    p = _whole("multiple", multiple, 1)
-    least = _whole("minimum", p if minimum is None else minimum, 0)
+    m_total = whole_number("total", total, 1)
+    p = whole_number("multiple", multiple, 1)
+    least = whole_number("minimum", p if minimum is None else minimum, 0)
     if m_total > MAX_TOTAL:
         raise ValueError(f"total {m_total} is more than 2**53 micro-batches, which a float cannot count exactly")
     if m_total % p:
