@@ -28,7 +28,7 @@ from postmortem.schema import Trace
 MARKERS: dict[str, str] = {
     "detected": "detection", "verdict": "verdict", "paused": "pause",
     "recovered": "recovery", "back_to_tracking": "recovery", "reexamining": "detection",
-    "mitigation": "mitigation", "mitigation_ended": "mitigation",
+    "mitigation": "mitigation", "mitigation_ended": "mitigation", "relaid": "mitigation",
 }
 """Event kind -> the plot marker it gets (the other kinds are listed, not marked)."""
 MARKER_STYLE: dict[str, tuple[str, str]] = {
@@ -371,6 +371,13 @@ def _requeued(e: dict) -> str:
                  f": {why}" if why else None)
 
 
+def _relaid(e: dict) -> str:
+    pause, step, nbytes = _num(e.get("pause_s")), _str(e.get("step"), 12), _num(e.get("bytes"))
+    return _join("ranks moved to their new stages (S3)", f" before step {step}" if step else None,
+                 f": paused {pause:.3g} s" if pause is not None else None,
+                 f", {nbytes / 1e6:.3g} MB moved" if nbytes is not None else None)
+
+
 def _mitigation_ended(e: dict) -> str:
     split = _split(e.get("microbatch_split"))
     return "mitigation ended" + (f": micro-batches back to {split}" if split else "")
@@ -386,7 +393,7 @@ _SUMMARIES = {
     "verdict": _verdict, "recovered": _recovered, "back_to_tracking": _back, "reexamining": _reexamining,
     "control_plane_started": _started, "control_plane_failed": _failed,
     "control_plane_stopped": lambda e: "control plane stopped", "resumed": lambda e: "resumed",
-    "mitigation": _mitigation, "mitigation_ended": _mitigation_ended, "requeued": _requeued,
+    "mitigation": _mitigation, "mitigation_ended": _mitigation_ended, "requeued": _requeued, "relaid": _relaid,
     "mitigation_skipped": lambda e: "mitigation skipped" + (f": {why}" if (why := _str(e.get("why"), 160)) else ""),
 }
 

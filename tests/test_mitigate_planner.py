@@ -219,3 +219,55 @@ def test_the_jobs_own_placement_comes_from_its_replicas():
     for bad in ([[0, 1], [1, 2]], [[0, 1], [2]], [[0, 3], [1, 2, 4]]):
         with pytest.raises(ValueError, match="ranks 0..N-1 once each"):
             placement_of(bad)
+
+
+def _board(client, nodes: list[str], dp_bytes: float = 4e6, pp_bytes: float = 1e5) -> None:
+    """Each rank's comm figures as the agents publish them: its stage's gradient
+    all-reduce and its pipeline sends and receives."""
+    for rank in range(len(nodes)):
+        client.hset(store.comms_key(rank), mapping={
+            "11": json.dumps({"bytes_per_iter": dp_bytes, "seconds_per_iter": 0.01, "calls_per_iter": 1,
+                              "op": "AllReduce"}),
+            "12": json.dumps({"bytes_per_iter": pp_bytes, "seconds_per_iter": 0.01, "calls_per_iter": 8,
+                              "op": "Send"})})
+
+
+LINK_VERDICT = {"kind": "link", "where": "n2", "nodes": ["n2"], "ranks": [], "validated": True,
+                "measured": {"slow_links": [{"link": "n2<->n4", "bandwidth_Bps": 1e6, "ratio": 0.01, "node": "n2"}]},
+                "link_bandwidth_Bps": 1e8}
+
+
+def test_a_link_under_the_dp_rings_gets_a_placement_that_puts_it_under_pipeline_traffic(job):
+    run_dir, client = job
+    nodes = ["n1", "n1", "n2", "n2", "n3", "n3", "n4", "n4"]
+    # Replica d holds ranks 4d..4d+3 (stages in order): each stage's DP pair spans two
+    # nodes, and n2's NIC carries the rings of stages 2 and 3.
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    _board(client, nodes)
+    ranks = {r: {**state, "node": nodes[r]} for r, state in _ranks({}).items()}
+    planner = Planner(client, run_dir)
+    planner.on_verdict(LINK_VERDICT, {r: {**s, "iterations": 61} for r, s in ranks.items()})
+    planner.poll({r: {**s, "iterations": 61} for r, s in ranks.items()})   # lost 0.25 s: less than the move
+    assert client.get(store.PLAN) is None
+    planner.poll(ranks)                                                     # lost 5 s
+    plan = json.loads(client.get(store.PLAN))
+    assert (plan["version"], plan["level"], plan["microbatch_split"]) == (1, "S3", [8, 8])
+    stage_nodes = {}
+    for rank, (_, stage) in enumerate(plan["placement"]):
+        stage_nodes.setdefault(stage, set()).add(nodes[rank])
+    # No DP ring crosses n2's NIC: n2's two ranks form a stage's pair.
+    assert {"n2"} in stage_nodes.values() and all("n2" not in s or s == {"n2"} for s in stage_nodes.values())
+    event = read_events(run_dir)[-1]
+    assert (event["kind"], event["level"], event["cost_is"], event["loss_s"]) == ("mitigation", "S3", "estimated", 5.0)
+    assert event["modelled_step_s"][1] < event["modelled_step_s"][0] and event["moves"]
+    # The training side applied it and measured the pause: S3's cost from now on.
+    client.set(store.TRAINING_RELAID, json.dumps({"version": 1, "step": 90, "pause_s": 1.7, "bytes": 123}))
+    planner.poll(ranks)
+    assert planner.relaid_s == 1.7 and planner.s3 is None
+    assert [e["kind"] for e in read_events(run_dir)] == ["mitigation", "relaid"]
+    # The S2 split is planned over the replicas of the placement in force.
+    client.set(store.TRAINING_APPLIED, json.dumps({"version": 1, "step": 90, "microbatch_split": [8, 8],
+                                                   "placement": plan["placement"]}))
+    slow = next(r for r, (d, _) in enumerate(plan["placement"]) if d == 1)
+    planner.on_verdict({**VERDICT, "ranks": [slow]}, _ranks({slow: 0.15}))
+    assert json.loads(client.get(store.PLAN))["microbatch_split"] == [12, 4]

@@ -360,6 +360,12 @@ def test_the_size_cap_starts_at_a_whole_line(tmp_path):
     ({"kind": "mitigation", "level": "S2", "microbatch_split": "13,3", "cost_s": 0.25},
      "mitigation S2 (cost about 0.25 s)"),
     ({"kind": "mitigation_ended", "microbatch_split": [8, 8]}, "mitigation ended: micro-batches back to 8,8"),
+    ({"kind": "mitigation", "level": "S3", "action": "ranks 2,5 swap stages: n2's links carry PP, not DP",
+      "placement": [[0, 0], [0, 1]], "loss_s": 12.5, "cost_s": 2.0},
+     "mitigation S3: ranks 2,5 swap stages: n2's links carry PP, not DP (lost so far 12.5 s; cost about 2 s)"),
+    ({"kind": "relaid", "level": "S3", "version": 3, "step": 140, "pause_s": 1.734, "bytes": 25165824},
+     "ranks moved to their new stages (S3) before step 140: paused 1.73 s, 25.2 MB moved"),
+    ({"kind": "relaid", "pause_s": "long"}, "ranks moved to their new stages (S3)"),
 ])
 def test_each_kind_is_said_in_one_line(event, summary):
     assert event_summary({"time": T0, **event}) == summary

@@ -269,6 +269,9 @@ def _verdict(suspects: list[Suspect], results: list[dict] | None, ep: _Episode, 
     as unconfirmed."""
     base = {"severity": round(ep.slowdown, 3), "since": ep.onset, "validated": results is not None,
             "detected_at": round(ep.detected_s, 3)}
+    bandwidth = [float(b) for b in ((outcome or {}).get("bandwidth_Bps") or {}).values()]
+    if bandwidth:      # the healthy scale of the job's links, for S3's cost model
+        base["link_bandwidth_Bps"] = float(np.median(bandwidth))
     findings = _findings(suspects, results, (outcome or {}).get("slow_links") or []) if results is not None else []
     if findings:
         findings.sort(key=lambda f: -f["strength"])

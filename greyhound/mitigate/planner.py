@@ -51,13 +51,17 @@ from pathlib import Path
 
 import numpy as np
 
+from greyhound.control import store
 from greyhound.control.events import append_event
+from greyhound.mitigate import topology
 from greyhound.mitigate.microbatch import makespan, split_microbatches
+from greyhound.mitigate.placement import plan_placement
 from greyhound.control.store import MITIGATION_WATCH as WATCH_KEY
 from greyhound.control.store import PLAN as PLAN_KEY
 from greyhound.control.store import TRAINING_APPLIED as APPLIED_KEY
 from greyhound.control.store import TRAINING_CHECKPOINTED as CHECKPOINTED_KEY
 from greyhound.control.store import TRAINING_LAYOUT as LAYOUT_KEY
+from greyhound.control.store import TRAINING_RELAID as RELAID_KEY
 from greyhound.slurm_client import COMMENT_MAX_LEN, DEFAULT_CRED_EXPIRE_S
 
 log = logging.getLogger(__name__)
@@ -86,12 +90,19 @@ class PlannerConfig:
     Slurm's own."""
     checkpoint_polls: int = 240
     """Polls to wait for the checkpoint S4 asked for; then S4 is given up."""
+    relayout_polls: int = 240
+    """Polls to wait for the training side to apply an S3 placement; then S3 is given up."""
 
     def __post_init__(self) -> None:
         if not self.end_drop > 1:
             raise ValueError(f"end_drop={self.end_drop} must be > 1")
         if self.end_polls < 1 or self.settle_polls < 0:
             raise ValueError("end_polls must be >= 1 and settle_polls >= 0")
+
+
+S3_MAX_BRANCHES = 20_000
+"""Branches the exact placement search may take on the master (well under a second:
+the master's loop waits for it); a bigger instance is refused, with an event."""
 
 
 def replica_seconds(replicas: Sequence[Sequence[int]], slowness: dict[int, float]) -> np.ndarray:
@@ -143,6 +154,11 @@ class Planner:
         self.work: dict[int, dict[str, float]] = {}
         """rank -> its work per iteration: ``base`` (healthy), ``before`` (the plan),
         ``settled`` (under the plan, the fail-slow on); for the record and status."""
+        self.s3: dict | None = None
+        """The S3 candidate: ``plan`` (placement.PlacementPlan), ``cost_s``, ``why``;
+        ``version`` once it is published."""
+        self.relaid_s: float | None = None
+        """The pause the job's last S3 move took (measured on the job)."""
         self._polls_applied = 0
         self._recovered_polls = 0
 
@@ -150,9 +166,12 @@ class Planner:
         raw = self.client.get(LAYOUT_KEY)
         return json.loads(raw) if raw else None
 
-    def _applied_version(self) -> int:
+    def _applied(self) -> dict:
         raw = self.client.get(APPLIED_KEY)
-        return int(json.loads(raw).get("version", 0)) if raw else 0
+        return json.loads(raw) if raw else {}
+
+    def _applied_version(self) -> int:
+        return int(self._applied().get("version", 0))
 
     def on_verdict(self, verdict: dict, ranks: dict) -> None:
         """A validated compute straggler (the verdict's lead or one beside it): S2;
@@ -167,6 +186,11 @@ class Planner:
             nodes = s4_nodes(verdict)
             if nodes and self.s4 is None:
                 self.s4 = {"nodes": nodes, "why": f"{verdict['kind']} fail-slow at {verdict.get('where')}"}
+            if verdict.get("validated") and verdict.get("kind") == "link" and layout is not None:
+                slow, bandwidth = topology.slow_links_of(verdict)
+                if slow and bandwidth:
+                    self._s3_candidate(layout, ranks, bandwidth=bandwidth, slow_links=slow,
+                                       why=f"link fail-slow at {verdict.get('where')}")
             return
         self.stragglers.update(found)
         # Every straggler's work is measured again around the new plan (an earlier
@@ -179,13 +203,19 @@ class Planner:
             except (KeyError, TypeError, ValueError):
                 self.work.pop(rank, None)      # no figures: the plan stays until the job ends
         self._publish(layout, ranks, why=f"compute straggler(s) {_ranks_text(self.stragglers)}")
+        bandwidth = verdict.get("link_bandwidth_Bps")
+        if len(self.stragglers) > 1 and bandwidth:     # S3's consolidation, the next rung
+            self._s3_candidate(layout, ranks, bandwidth=float(bandwidth), stragglers=dict(self.stragglers),
+                               why=f"compute stragglers {_ranks_text(self.stragglers)} in several stages")
 
     def poll(self, ranks: dict) -> None:
         """Every poll: the job's start-up time; S4's ski-rental; while an S2 plan is in
         force, has the straggler recovered?"""
         if self.startup_s is None and ranks and all(int(s.get("iterations") or 0) > 0 for s in ranks.values()):
             self.startup_s = time.time() - self.started_s
-        if self.s4 is not None:
+        if self.s3 is not None:
+            self._s3_poll(ranks)
+        if self.s4 is not None and self.s3 is None:   # the ladder: S3 first where it can help
             self._s4_poll(ranks)
         if not self.stragglers or self._applied_version() != self.version:
             return
@@ -244,6 +274,75 @@ class Planner:
         append_event(self.run_dir, "mitigation", level="S4", version=self.version, why=s4["why"],
                      action=f"checkpoint, then requeue without {','.join(s4['nodes'])}", nodes=s4["nodes"],
                      loss_s=loss_s, cost_s=round(cost_s, 3))
+
+    def _s3_candidate(self, layout: dict, ranks: dict, *, bandwidth: float, why: str,
+                      slow_links: dict | None = None, stragglers: dict[int, float] | None = None) -> None:
+        """The placement that helps (placement.py, on the step's traffic and compute
+        as the agents measured them); the candidate waits for its cost in loss."""
+        if self.s3 is not None:
+            return
+        placement = topology.placement_now(layout, self._applied())
+        replicas = topology.pipelines(placement)
+        try:
+            nodes = [str(ranks[r]["node"]) for r in range(len(placement))]
+            model = topology.step_model(store.read_comm_stats(self.client, range(len(placement))), ranks,
+                                        placement, bandwidth=bandwidth)
+            plan = plan_placement(dp=len(replicas), pp=len(replicas[0]), node_of_rank=nodes, model=model,
+                                  placement=placement, slow_links=slow_links, stragglers=stragglers,
+                                  max_branches=S3_MAX_BRANCHES)
+        except (KeyError, ValueError) as exc:
+            append_event(self.run_dir, "mitigation_skipped", level="S3", why=f"no placement to plan: {exc}")
+            return
+        if not plan.improves:
+            append_event(self.run_dir, "mitigation_skipped", level="S3", why=plan.reason)
+            return
+        _, step_s = slow_loss(ranks)
+        cost_s = topology.move_cost_s(plan, model, step_s=step_s or 0.0, measured_s=self.relaid_s)
+        self.s3 = {"plan": plan, "why": why, "cost_s": round(cost_s, 3), "polls": 0,
+                   "cost_is": "measured" if self.relaid_s is not None else "estimated"}
+
+    def _s3_poll(self, ranks: dict) -> None:
+        """S3's ski-rental: the placement once the loss reaches the move's cost; then
+        the pause the move took, as the training side measured it."""
+        s3 = self.s3
+        assert s3 is not None
+        if "version" in s3:
+            raw = self.client.get(RELAID_KEY)
+            relaid = json.loads(raw) if raw else {}
+            if relaid.get("version") == s3["version"]:
+                self.relaid_s = float(relaid["pause_s"])
+                append_event(self.run_dir, "relaid", level="S3", version=s3["version"], step=relaid.get("step"),
+                             pause_s=self.relaid_s, bytes=relaid.get("bytes"), cost_s=s3["cost_s"])
+                self.s3 = None
+            else:
+                s3["polls"] += 1
+                if s3["polls"] > self.config.relayout_polls:
+                    append_event(self.run_dir, "mitigation_skipped", level="S3", why=(
+                        f"the training side applied no placement within {self.config.relayout_polls} polls"))
+                    self.s3 = None
+            return
+        loss_s, _ = slow_loss(ranks)
+        if loss_s is None:                 # the slowdown ended: nothing to pay for
+            self.s3 = None
+            return
+        if loss_s < s3["cost_s"]:
+            return
+        layout = self._layout()
+        if layout is None:
+            self.s3 = None
+            return
+        plan = s3["plan"]
+        self.version += 1
+        s3["version"] = self.version
+        self.client.set(PLAN_KEY, json.dumps({
+            "version": self.version, "microbatch_split": self._current_split(layout), "level": "S3",
+            "why": s3["why"], "placement": [list(cell) for cell in plan.placement]}))
+        append_event(self.run_dir, "mitigation", level="S3", version=self.version, why=s3["why"],
+                     action=plan.reason, placement=[list(cell) for cell in plan.placement],
+                     moves=[[m.rank, m.from_stage, m.to_stage] for m in plan.moves],
+                     modelled_step_s=[round(plan.cost_before, 4), round(plan.cost_after, 4)],
+                     loss_s=loss_s, cost_s=s3["cost_s"], cost_is=s3["cost_is"],
+                     solve_seconds=round(plan.solve_seconds, 6))
 
     def _s4_refused(self, nodes: list[str], layout: dict | None) -> str | None:
         """Why S4 may not run now (None: it may)."""
@@ -305,7 +404,8 @@ class Planner:
 
     def _publish(self, layout: dict, ranks: dict, *, why: str) -> None:
         default = list(layout["microbatch_split"])
-        times = replica_seconds(layout["replicas"], self.stragglers)
+        replicas = topology.pipelines(topology.placement_now(layout, self._applied()))
+        times = replica_seconds(replicas, self.stragglers)
         plan = split_microbatches(times, total=sum(default))
         self.version += 1
         self._polls_applied = self._recovered_polls = 0
