@@ -58,19 +58,34 @@ def _skip_message(reason: str) -> str:
     return reason.removeprefix("Skipped: ")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """Under CI (CI=true: .ci/run has installed and started everything), a test that
-    skips for any reason but missing hardware is a failure: a green run cannot hide a
-    missing install step behind skips (skipif marks and pytest.skip calls alike)."""
-    outcome = yield
-    report = outcome.get_result()
+def _refuse_skip(report: pytest.CollectReport | pytest.TestReport, what: str) -> None:
+    """Under CI (CI=true: .ci/run has installed and started everything), turns a skip
+    ``report`` into a failure unless it names missing hardware (:data:`HARDWARE_SKIP`)."""
     if os.environ.get("CI") != "true" or not report.skipped or hasattr(report, "wasxfail"):
         return
     reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
     if not HARDWARE_SKIP.match(_skip_message(reason)):
         report.outcome = "failed"
-        report.longrepr = f"CI: skipped, which CI does not accept: {reason}"
+        report.longrepr = f"CI: {what}, which CI does not accept: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI a test that skips for any reason but missing hardware is a failure: a
+    green run cannot hide a missing install step behind skips (skipif marks and
+    pytest.skip calls alike)."""
+    outcome = yield
+    _refuse_skip(outcome.get_result(), "skipped")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """Under CI a module that skips while it is collected (a module-level
+    ``pytest.importorskip`` or ``pytest.skip(allow_module_level=True)``), for any reason
+    but missing hardware, is a collection error, which stops the run: the skip never
+    reaches :func:`pytest_runtest_makereport`, as the module's tests are never made."""
+    outcome = yield
+    _refuse_skip(outcome.get_result(), "skipped at collection")
 
 
 @pytest.fixture(scope="session")

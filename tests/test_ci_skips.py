@@ -59,3 +59,53 @@ def test_ci_failure_says_why_the_skip_was_refused(pytester, monkeypatch):
     pytester.makepyfile(test_inner=INNER_TESTS)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "mentions_a_gpu")
     result.stdout.fnmatch_lines(["*CI: skipped, which CI does not accept*mpirun is not installed*"])
+
+
+MODULE_SKIPS = {
+    # A module-level importorskip skips the whole module while it is collected, before
+    # any of its tests exists (tests/test_hook_torch.py does this for torch).
+    "test_needs_a_module": '''
+import pytest
+
+pytest.importorskip("greyhound_no_such_module")
+
+def test_never_made():
+    pass
+''',
+    "test_needs_a_gpu": '''
+import pytest
+
+pytest.skip("hardware: GPU: no NVIDIA device on this machine", allow_module_level=True)
+
+def test_never_made():
+    pass
+''',
+}
+
+
+def _collect_module_skips(pytester: pytest.Pytester, ci: str | None, monkeypatch):
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    pytester.makeconftest((REPO / "tests" / "conftest.py").read_text())
+    pytester.makepyfile(**MODULE_SKIPS)
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider")
+
+
+def test_under_ci_a_module_skipped_at_collection_is_an_error(pytester, monkeypatch):
+    result = _collect_module_skips(pytester, "true", monkeypatch)
+    # The refused skip is a collection error, which stops the run; the module that
+    # lacks hardware stays skipped.
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    assert result.parseoutcomes() == {"errors": 1, "skipped": 1}
+    result.stdout.fnmatch_lines([
+        "*CI: skipped at collection, which CI does not accept*"
+        "could not import 'greyhound_no_such_module'*",
+    ])
+
+
+def test_outside_ci_a_module_skipped_at_collection_stays_skipped(pytester, monkeypatch):
+    result = _collect_module_skips(pytester, None, monkeypatch)
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    assert result.parseoutcomes() == {"skipped": 2}

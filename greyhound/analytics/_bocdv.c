@@ -367,34 +367,35 @@ estimate_noise(Kernel *k)
     return k->noise_floor >= sigma ? k->noise_floor : sigma;
 }
 
-/* One observation y (a log iteration time). Fails (before changing anything) only
- * when the gammaln table cannot grow. */
+/* The gammaln ratio is looked up at t - start for every hypothesis: grows the table
+ * (RunLengthPosterior._log_gamma_ratio) when the oldest start is past its end. */
 static int
-posterior_update(Kernel *k, double y)
+ensure_table(Kernel *k, int64_t t)
 {
-    int64_t t = k->t + 1;
     Py_ssize_t r = k->size;
-    if (r) {
-        int64_t oldest = k->starts[0];
-        for (Py_ssize_t i = 1; i < r; i++)
-            if (k->starts[i] < oldest)
-                oldest = k->starts[i];
-        if (t - oldest >= k->lg_len && grow_table(k, (Py_ssize_t)(t - oldest)) < 0)
-            return -1;
-    }
-    k->t = t;
-    double sigma = k->sigma;
-    double beta0 = k->alpha0 * sigma * sigma;
-    double logpred0 = k->logpred0_base - log(sigma);
-    double outlier = k->log_eps + logpred0;
-    /* The reference's vector expressions, in its order, split where a transcendental
-     * function is applied to the whole array. */
-    double *restrict kap = k->kappa, *restrict alp = k->alpha, *restrict bet = k->beta;
-    double *restrict mu = k->mu, *restrict logp = k->logp;
+    if (r == 0)
+        return 0;
+    int64_t oldest = k->starts[0];
+    for (Py_ssize_t i = 1; i < r; i++)
+        if (k->starts[i] < oldest)
+            oldest = k->starts[i];
+    if (t - oldest >= k->lg_len && grow_table(k, (Py_ssize_t)(t - oldest)) < 0)
+        return -1;
+    return 0;
+}
+
+/* The Student-t predictive's parts, the reference's vector expressions in its order,
+ * split where a transcendental function is applied to the whole array. Afterwards
+ * ta = log(pi nu scale^2), tb = log1p(z^2 / (nu scale^2)), tc = scale^2, td = z and
+ * te = the gammaln ratio. */
+static void
+predictive(Kernel *k, int64_t t, double y, double beta0)
+{
+    Py_ssize_t r = k->size;
+    const double *restrict kap = k->kappa, *restrict alp = k->alpha, *restrict bet = k->beta;
+    const double *restrict mu = k->mu;
     const int64_t *restrict starts = k->starts;
     const double *restrict lg = k->lg;
-    /* ta: log argument, then log; tb: log1p argument, then log1p; tc: scale^2;
-     * td: z; te: the gammaln ratio. */
     double *restrict ta = k->ta, *restrict tb = k->tb, *restrict tc = k->tc;
     double *restrict td = k->td, *restrict te = k->te;
     for (Py_ssize_t i = 0; i < r; i++)
@@ -412,9 +413,17 @@ posterior_update(Kernel *k, double y)
     }
     k->vlog(ta, ta, r);
     k->vlog1p(tb, tb, r);
-    /* logaddexp(logpred + log(1 - eps), outlier) as numpy's npy_logaddexp:
-     * max + log1p(exp(-|difference|)), x + log 2 on equality, NaN for NaN. Here ta
-     * becomes the max (or the whole result where te is set), tb the exponent. */
+}
+
+/* logaddexp(logpred + log(1 - eps), outlier) as numpy's npy_logaddexp:
+ * max + log1p(exp(-|difference|)), x + log 2 on equality, NaN for NaN. Afterwards ta
+ * is the max (or the whole result where te is 1), tb log1p(exp(-|difference|)). */
+static void
+mix_outlier(Kernel *k, double outlier)
+{
+    Py_ssize_t r = k->size;
+    const double *restrict alp = k->alpha;
+    double *restrict ta = k->ta, *restrict tb = k->tb, *restrict te = k->te;
     const double log_1m_eps = k->log_1m_eps;
     for (Py_ssize_t i = 0; i < r; i++) {
         double logpred = te[i] - 0.5 * ta[i] - (alp[i] + 0.5) * tb[i];
@@ -428,6 +437,18 @@ posterior_update(Kernel *k, double y)
     }
     k->vexp(tb, tb, r);
     k->vlog1p(tb, tb, r);
+}
+
+/* Every hypothesis grows by y: logp gains the mixed predictive and log(1 - h), and
+ * the Normal-Gamma statistics take y's z clipped to clip scales. */
+static void
+grow_hypotheses(Kernel *k)
+{
+    Py_ssize_t r = k->size;
+    double *restrict kap = k->kappa, *restrict alp = k->alpha, *restrict bet = k->beta;
+    double *restrict mu = k->mu, *restrict logp = k->logp;
+    const double *restrict ta = k->ta, *restrict tb = k->tb, *restrict tc = k->tc;
+    const double *restrict td = k->td, *restrict te = k->te;
     const double log_1mh = k->log_1mh, clip = k->clip;
     for (Py_ssize_t i = 0; i < r; i++) {
         double kappa = kap[i];
@@ -443,7 +464,13 @@ posterior_update(Kernel *k, double y)
         kap[i] = kappa1;
         alp[i] += 0.5;
     }
-    Py_ssize_t slot = r;
+}
+
+/* A new segment starting at t with y as its first point. */
+static void
+add_segment(Kernel *k, int64_t t, double y, double logpred0)
+{
+    Py_ssize_t r = k->size, slot = r;
     if (r == k->max_hyp) {
         /* Full: the new segment takes the slot of the least probable (first) one. */
         slot = 0;
@@ -459,9 +486,13 @@ posterior_update(Kernel *k, double y)
     k->beta[slot] = 0.0;
     k->logp[slot] = k->log_h + logpred0;
     k->starts[slot] = t;
-    normalise(k);
-    if (t % 16 == 0)
-        prune(k);
+}
+
+/* The jitter: |y - previous y| joins the ring; sigma is refreshed every 8
+ * observations once there are noise_min_samples. */
+static void
+track_noise(Kernel *k, int64_t t, double y)
+{
     if (k->has_prev) {
         k->diffs[k->diffs_head] = fabs(y - k->prev);
         k->diffs_head = (k->diffs_head + 1) % k->noise_window;
@@ -472,6 +503,30 @@ posterior_update(Kernel *k, double y)
     }
     k->prev = y;
     k->has_prev = 1;
+}
+
+/* One observation y (a log iteration time), as RunLengthPosterior.update. Fails
+ * (before changing anything) only when the gammaln table cannot grow. */
+static int
+posterior_update(Kernel *k, double y)
+{
+    int64_t t = k->t + 1;
+    if (ensure_table(k, t) < 0)
+        return -1;
+    k->t = t;
+    double sigma = k->sigma;
+    double beta0 = k->alpha0 * sigma * sigma;
+    /* A new segment's first point is its own prior mean: Student-t(2 alpha0) at 0. */
+    double logpred0 = k->logpred0_base - log(sigma);
+    double outlier = k->log_eps + logpred0;
+    predictive(k, t, y, beta0);
+    mix_outlier(k, outlier);
+    grow_hypotheses(k);
+    add_segment(k, t, y, logpred0);
+    normalise(k);
+    if (t % 16 == 0)
+        prune(k);
+    track_noise(k, t, y);
     return 0;
 }
 
@@ -734,8 +789,16 @@ Kernel_dealloc(Kernel *k)
     Py_TYPE(k)->tp_free((PyObject *)k);
 }
 
+/* Kernel's keyword arguments that are not stored as parsed: the verification counts
+ * (parsed as long long, kept as int64_t), the buffer's capacity and the table maker. */
+typedef struct {
+    long long min_after, max_pending, before_window, creep_window, creep_every;
+    long long hold_newest, min_before, values_capacity;
+    PyObject *lg_func; /* borrowed */
+} KernelArgs;
+
 static int
-Kernel_init(Kernel *k, PyObject *args, PyObject *kw)
+parse_args(Kernel *k, PyObject *args, PyObject *kw, KernelArgs *a)
 {
     static char *names[] = {
         "log_h", "log_1mh", "log_eps", "log_1m_eps", "logpred0_base", "prune_factor",
@@ -746,44 +809,57 @@ Kernel_init(Kernel *k, PyObject *args, PyObject *kw)
         "creep_window", "creep_every", "hold_newest", "min_before", "max_visited",
         "values_capacity", "lg_table", "exact_math", NULL,
     };
-    long long min_after, max_pending, before_window, creep_window, creep_every;
-    long long hold_newest, min_before, values_capacity;
-    PyObject *lg_func;
-    if (k->starts != NULL) {
-        PyErr_SetString(PyExc_TypeError, "greyhound: bocdv kernel: already initialised");
-        return -1;
-    }
     if (!PyArg_ParseTupleAndKeywords(
             args, kw, "ddddddddddddddnnnddLLLLLLLdLO|p:Kernel", names, &k->log_h,
             &k->log_1mh, &k->log_eps, &k->log_1m_eps, &k->logpred0_base, &k->prune_factor,
             &k->kappa_first, &k->alpha_first, &k->mad_per_sigma, &k->alpha0,
             &k->noise_default, &k->noise_floor, &k->clip, &k->threshold, &k->max_hyp,
             &k->noise_window, &k->noise_min_samples, &k->min_change, &k->keep_prob,
-            &min_after, &max_pending, &before_window, &creep_window, &creep_every,
-            &hold_newest, &min_before, &k->max_visited, &values_capacity, &lg_func,
-            &k->exact_math))
+            &a->min_after, &a->max_pending, &a->before_window, &a->creep_window,
+            &a->creep_every, &a->hold_newest, &a->min_before, &k->max_visited,
+            &a->values_capacity, &a->lg_func, &k->exact_math))
         return -1;
-    if (k->max_hyp < 1 || k->noise_window < 1 || k->noise_min_samples < 1 || min_after < 1
-        || max_pending < min_after || before_window < 1 || creep_window < 1
-        || creep_every < 1 || hold_newest < 1 || min_before < 1
-        || values_capacity < 1
-        || !(k->max_visited > 0.0 && k->max_visited <= 1.0) || !PyCallable_Check(lg_func)) {
+    return 0;
+}
+
+static int
+check_args(const Kernel *k, const KernelArgs *a)
+{
+    if (k->max_hyp < 1 || k->noise_window < 1 || k->noise_min_samples < 1
+        || a->min_after < 1 || a->max_pending < a->min_after || a->before_window < 1
+        || a->creep_window < 1 || a->creep_every < 1 || a->hold_newest < 1
+        || a->min_before < 1 || a->values_capacity < 1
+        || !(k->max_visited > 0.0 && k->max_visited <= 1.0)
+        || !PyCallable_Check(a->lg_func)) {
         PyErr_SetString(PyExc_ValueError,
                         "greyhound: bocdv kernel: counts must be >= 1, max_visited in (0, 1] "
                         "and lg_table callable");
         return -1;
     }
-    k->min_after = min_after;
-    k->max_pending = max_pending;
-    k->before_window = before_window;
-    k->creep_window = creep_window;
-    k->creep_every = creep_every;
-    k->hold_newest = hold_newest;
-    k->min_before = min_before;
-    Py_INCREF(lg_func);
-    k->lg_func = lg_func;
+    return 0;
+}
+
+static void
+store_args(Kernel *k, const KernelArgs *a)
+{
+    k->min_after = a->min_after;
+    k->max_pending = a->max_pending;
+    k->before_window = a->before_window;
+    k->creep_window = a->creep_window;
+    k->creep_every = a->creep_every;
+    k->hold_newest = a->hold_newest;
+    k->min_before = a->min_before;
+    k->vcap = a->values_capacity;
+    Py_INCREF(a->lg_func);
+    k->lg_func = a->lg_func;
+}
+
+/* The posterior's arrays (capacity max_hyp + 1), the jitter ring, the recent values
+ * (twice vcap) and the scratch; freed by Kernel_dealloc, also after a failure. */
+static int
+allocate(Kernel *k)
+{
     Py_ssize_t cap = k->max_hyp + 1;
-    k->vcap = values_capacity;
     k->scratch_len = cap > k->vcap ? cap : (Py_ssize_t)k->vcap;
     if (k->noise_window > k->scratch_len)
         k->scratch_len = k->noise_window;
@@ -806,6 +882,13 @@ Kernel_init(Kernel *k, PyObject *args, PyObject *kw)
     k->tc = k->tb + cap;
     k->td = k->tc + cap;
     k->te = k->td + cap;
+    return 0;
+}
+
+/* exp, log, log1p: libmvec's where the CPU runs them, unless exact_math. */
+static void
+choose_math(Kernel *k)
+{
     k->vexp = exp_libm;
     k->vlog = log_libm;
     k->vlog1p = log1p_libm;
@@ -816,6 +899,22 @@ Kernel_init(Kernel *k, PyObject *args, PyObject *kw)
         k->vlog1p = log1p_mvec;
     }
 #endif
+}
+
+static int
+Kernel_init(Kernel *k, PyObject *args, PyObject *kw)
+{
+    KernelArgs a;
+    if (k->starts != NULL) {
+        PyErr_SetString(PyExc_TypeError, "greyhound: bocdv kernel: already initialised");
+        return -1;
+    }
+    if (parse_args(k, args, kw, &a) < 0 || check_args(k, &a) < 0)
+        return -1;
+    store_args(k, &a);
+    if (allocate(k) < 0)
+        return -1;
+    choose_math(k);
     k->t = -1;
     k->sigma = k->noise_default;
     return 0;

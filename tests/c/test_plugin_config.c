@@ -27,14 +27,12 @@ static int parse(struct gh_options *o, const char *value, char *err)
 	return gh_options_parse(o, value, err, 512);
 }
 
-int main(void)
+/* A bare flag, in all the ways Slurm delivers it, means on with defaults. */
+static void test_flag_forms(void)
 {
 	struct gh_options o;
-	struct gh_config c;
 	char err[512];
-	char long_value[2000];
 
-	/* A bare flag, in all the ways Slurm delivers it, means on with defaults. */
 	CHECK(parse(&o, NULL, err) == 0 && o.enabled == 1);
 	CHECK(parse(&o, "", err) == 0 && o.enabled == 1);
 	CHECK(parse(&o, "(null)", err) == 0 && o.enabled == 1 && o.mode[0] == '\0');
@@ -44,8 +42,14 @@ int main(void)
 	CHECK(parse(&o, "mode=detect,trace=off,report=/r/x", err) == 0 && !strcmp(o.mode, "detect") &&
 	      o.trace == 0 && !strcmp(o.report, "/r/x"));
 	CHECK(parse(&o, "detect,mode=detect", err) == 0); /* same value twice is fine */
+}
 
-	/* Every setting: the same value twice is accepted, a different one refused. */
+/* Every setting: the same value twice is accepted, a different one refused. */
+static void test_repeated_settings(void)
+{
+	struct gh_options o;
+	char err[512];
+
 	CHECK(parse(&o, "on,on", err) == 0 && o.enabled == 1);
 	CHECK(parse(&o, "off,off", err) == 0 && o.enabled == 0);
 	CHECK(parse(&o, "on,off", err) < 0 && !strcmp(err, "'on' and 'off' both given; give one of them"));
@@ -69,8 +73,15 @@ int main(void)
 	CHECK(parse(&o, "off", err) == 0 && gh_options_parse(&o, "(null)", err, 512) < 0 &&
 	      strstr(err, "'on' and 'off' both given"));
 	CHECK(parse(&o, NULL, err) == 0 && gh_options_parse(&o, NULL, err, 512) == 0 && o.enabled == 1);
+}
 
-	/* Messages are the bare cause: the caller says --greyhound or GREYHOUND_OPTIONS. */
+/* Messages are the bare cause: the caller says --greyhound or GREYHOUND_OPTIONS. */
+static void test_messages(void)
+{
+	struct gh_options o;
+	char err[512];
+	char long_value[2000];
+
 	CHECK(parse(&o, "fast", err) < 0 && !strncmp(err, "'fast' is not an option; use off, on", 35));
 	CHECK(parse(&o, "mode=fast", err) < 0 && !strncmp(err, "mode='fast'", 11));
 
@@ -91,61 +102,71 @@ int main(void)
 	memcpy(long_value, "report=/", 8);
 	long_value[1024] = '\0'; /* exactly the limit: accepted */
 	CHECK(parse(&o, long_value, err) == 0 && strlen(o.report) == 1017);
+}
 
-	/* Admin arguments: defaults first, every key checked, unknown keys refused. */
+/* Admin arguments: defaults first, every key checked, unknown keys refused. */
+static void test_admin_arguments(void)
+{
+	struct gh_config c;
+	char err[512];
+	char *good[] = { "default=on", "mode=mitigate", "prefix=/opt/gh", "rundir=/scratch/gh", "retain=0",
+			 "python=/opt/gh/venv/bin/python" };
+	char *bad_key[] = { "defualt=on" };
+	char *bad_bool[] = { "default=perhaps" };
+	char *bad_path[] = { "rundir=relative" };
+	char *bad_paths[] = { "rundir=/", "rundir=/a/../b", "rundir=/a//b", "rundir=/a/.", "rundir=/a/", "prefix=",
+			      "python=", "python=bin/python", "python=/opt/../python", "python=/" };
+	char *bad_retain[] = { "retain=-1", "retain=7d", "retain=", "retain=3651", "retain= 7", "retain=99999999999" };
+	char *no_value[] = { "retain" };
+	char *retain_max[] = { "retain=3650" };
+	char *requeue_off[] = { "requeue=off" };
+	char *requeue_on[] = { "requeue=on" };
+	char *requeue_bad[] = { "requeue=x" };
+	char *requeue_empty[] = { "requeue=" };
+
+	gh_config_defaults(&c);
+	CHECK(c.default_on == 0 && !strcmp(c.mode, "detect") && !strcmp(c.rundir, "/var/tmp/greyhound") &&
+	      c.retain_days == 7 && c.python[0] == '\0' && c.requeue == 1);
+	CHECK(gh_config_parse(&c, 6, good, err, 512) == 0 && c.default_on == 1 && !strcmp(c.mode, "mitigate") &&
+	      !strcmp(c.prefix, "/opt/gh") && !strcmp(c.rundir, "/scratch/gh") && c.retain_days == 0 &&
+	      !strcmp(c.python, "/opt/gh/venv/bin/python"));
+	CHECK(gh_config_parse(&c, 1, bad_key, err, 512) < 0 &&
+	      !strncmp(err, "unknown argument 'defualt=on'; allowed: default=on|off", 52));
+	CHECK(gh_config_parse(&c, 1, bad_bool, err, 512) < 0 && strstr(err, "default='perhaps' is not allowed"));
+	CHECK(gh_config_parse(&c, 1, bad_path, err, 512) < 0 && strstr(err, "rundir='relative' must be an absolute path"));
+	CHECK(gh_config_parse(&c, 1, bad_paths + 7, err, 512) < 0 &&
+	      !strncmp(err, "python='bin/python' must be an absolute path other than /", 57));
+	for (size_t i = 0; i < sizeof(bad_paths) / sizeof(bad_paths[0]); i++)
+		CHECK(gh_config_parse(&c, 1, bad_paths + i, err, 512) < 0 && strstr(err, "must be an absolute path"));
+	for (size_t i = 0; i < sizeof(bad_retain) / sizeof(bad_retain[0]); i++)
+		CHECK(gh_config_parse(&c, 1, bad_retain + i, err, 512) < 0 &&
+		      strstr(err, "use a whole number of days from 0 to 3650"));
+	CHECK(gh_config_parse(&c, 1, no_value, err, 512) < 0 && strstr(err, "unknown argument 'retain'"));
+	CHECK(gh_config_parse(&c, 1, retain_max, err, 512) == 0 && c.retain_days == 3650);
+	CHECK(gh_config_parse(&c, 1, requeue_off, err, 512) == 0 && c.requeue == 0);
+	CHECK(gh_config_parse(&c, 1, requeue_on, err, 512) == 0 && c.requeue == 1);
+	CHECK(gh_config_parse(&c, 1, requeue_bad, err, 512) < 0 &&
+	      !strcmp(err, "requeue='x' is not allowed; use on or off"));
+	CHECK(gh_config_parse(&c, 1, requeue_empty, err, 512) < 0 &&
+	      !strcmp(err, "requeue='' is not allowed; use on or off"));
+	CHECK(gh_config_parse(&c, 1, bad_key, err, 512) < 0 && strstr(err, "python=PATH, requeue=on|off"));
+	/* Found by scripts/fuzz-options: a control character in an argument was echoed
+	 * into the message, splitting the "one line" (log injection). */
 	{
-		char *good[] = { "default=on", "mode=mitigate", "prefix=/opt/gh", "rundir=/scratch/gh", "retain=0",
-				 "python=/opt/gh/venv/bin/python" };
-		char *bad_key[] = { "defualt=on" };
-		char *bad_bool[] = { "default=perhaps" };
-		char *bad_path[] = { "rundir=relative" };
-		char *bad_paths[] = { "rundir=/", "rundir=/a/../b", "rundir=/a//b", "rundir=/a/.", "rundir=/a/", "prefix=",
-				      "python=", "python=bin/python", "python=/opt/../python", "python=/" };
-		char *bad_retain[] = { "retain=-1", "retain=7d", "retain=", "retain=3651", "retain= 7", "retain=99999999999" };
-		char *no_value[] = { "retain" };
-		char *retain_max[] = { "retain=3650" };
-		char *requeue_off[] = { "requeue=off" };
-		char *requeue_on[] = { "requeue=on" };
-		char *requeue_bad[] = { "requeue=x" };
-		char *requeue_empty[] = { "requeue=" };
+		char *newline[] = { "mode=detect", "rundir=/a/../x\n:/b dir" };
 
-		gh_config_defaults(&c);
-		CHECK(c.default_on == 0 && !strcmp(c.mode, "detect") && !strcmp(c.rundir, "/var/tmp/greyhound") &&
-		      c.retain_days == 7 && c.python[0] == '\0' && c.requeue == 1);
-		CHECK(gh_config_parse(&c, 6, good, err, 512) == 0 && c.default_on == 1 && !strcmp(c.mode, "mitigate") &&
-		      !strcmp(c.prefix, "/opt/gh") && !strcmp(c.rundir, "/scratch/gh") && c.retain_days == 0 &&
-		      !strcmp(c.python, "/opt/gh/venv/bin/python"));
-		CHECK(gh_config_parse(&c, 1, bad_key, err, 512) < 0 &&
-		      !strncmp(err, "unknown argument 'defualt=on'; allowed: default=on|off", 52));
-		CHECK(gh_config_parse(&c, 1, bad_bool, err, 512) < 0 && strstr(err, "default='perhaps' is not allowed"));
-		CHECK(gh_config_parse(&c, 1, bad_path, err, 512) < 0 && strstr(err, "rundir='relative' must be an absolute path"));
-		CHECK(gh_config_parse(&c, 1, bad_paths + 7, err, 512) < 0 &&
-		      !strncmp(err, "python='bin/python' must be an absolute path other than /", 57));
-		for (size_t i = 0; i < sizeof(bad_paths) / sizeof(bad_paths[0]); i++)
-			CHECK(gh_config_parse(&c, 1, bad_paths + i, err, 512) < 0 && strstr(err, "must be an absolute path"));
-		for (size_t i = 0; i < sizeof(bad_retain) / sizeof(bad_retain[0]); i++)
-			CHECK(gh_config_parse(&c, 1, bad_retain + i, err, 512) < 0 &&
-			      strstr(err, "use a whole number of days from 0 to 3650"));
-		CHECK(gh_config_parse(&c, 1, no_value, err, 512) < 0 && strstr(err, "unknown argument 'retain'"));
-		CHECK(gh_config_parse(&c, 1, retain_max, err, 512) == 0 && c.retain_days == 3650);
-		CHECK(gh_config_parse(&c, 1, requeue_off, err, 512) == 0 && c.requeue == 0);
-		CHECK(gh_config_parse(&c, 1, requeue_on, err, 512) == 0 && c.requeue == 1);
-		CHECK(gh_config_parse(&c, 1, requeue_bad, err, 512) < 0 &&
-		      !strcmp(err, "requeue='x' is not allowed; use on or off"));
-		CHECK(gh_config_parse(&c, 1, requeue_empty, err, 512) < 0 &&
-		      !strcmp(err, "requeue='' is not allowed; use on or off"));
-		CHECK(gh_config_parse(&c, 1, bad_key, err, 512) < 0 && strstr(err, "python=PATH, requeue=on|off"));
-		/* Found by scripts/fuzz-options: a control character in an argument was echoed
-		 * into the message, splitting the "one line" (log injection). */
-		{
-			char *newline[] = { "mode=detect", "rundir=/a/../x\n:/b dir" };
-
-			CHECK(gh_config_parse(&c, 2, newline, err, 512) < 0 && strchr(err, '\n') == NULL &&
-			      strstr(err, "argument 2: control character 0x0a at position 15"));
-		}
+		CHECK(gh_config_parse(&c, 2, newline, err, 512) < 0 && strchr(err, '\n') == NULL &&
+		      strstr(err, "argument 2: control character 0x0a at position 15"));
 	}
+}
 
-	/* Precedence: the user's option over the admin's default. */
+/* Precedence: the user's option over the admin's default. */
+static void test_precedence(void)
+{
+	struct gh_options o;
+	struct gh_config c;
+	char err[512];
+
 	gh_config_defaults(&c);
 	c.default_on = 1;
 	gh_options_defaults(&o);
@@ -155,8 +176,15 @@ int main(void)
 	c.default_on = 0;
 	parse(&o, "mitigate", err);
 	CHECK(gh_enabled(&c, &o) == 1 && !strcmp(gh_effective_mode(&c, &o), "mitigate"));
+}
 
-	/* S4: on by default; the user may turn it off, not on where the admin turned it off. */
+/* S4: on by default; the user may turn it off, not on where the admin turned it off. */
+static void test_requeue_precedence(void)
+{
+	struct gh_options o;
+	struct gh_config c;
+	char err[512];
+
 	gh_config_defaults(&c);
 	gh_options_defaults(&o);
 	CHECK(gh_effective_requeue(&c, &o) == 1);
@@ -170,6 +198,16 @@ int main(void)
 	CHECK(gh_effective_requeue(&c, &o) == 0);
 	parse(&o, "requeue=off", err);
 	CHECK(gh_effective_requeue(&c, &o) == 0);
+}
+
+int main(void)
+{
+	test_flag_forms();
+	test_repeated_settings();
+	test_messages();
+	test_admin_arguments();
+	test_precedence();
+	test_requeue_precedence();
 
 	printf("%d passed, %d failed\n", passed, failed);
 	return failed != 0;

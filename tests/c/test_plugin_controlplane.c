@@ -115,28 +115,26 @@ static int no_child_left(void)
 	return waitpid(-1, NULL, WNOHANG) < 0 && errno == ECHILD;
 }
 
-int main(int argc, char **argv)
+/* The test's files: this binary (the launcher too), its report and the temporary
+ * directory they live in. */
+struct paths {
+	char self[4096], report[4096], report_env[4096 + 32];
+	char dir[sizeof("/tmp/gh-controlplane-XXXXXX")], plain[64];
+};
+
+/* The launcher started from a task with state of its own (an fd not close-on-exec, a
+ * pipe as stdin, an ignored and a blocked signal) gets none of it, and the caller
+ * keeps all of it. */
+static void test_launcher_gets_a_clean_start(const struct paths *p)
 {
-	char self[4096], report[4096], report_env[4096 + 32], line[4200], err[GH_ERR_LEN];
-	char fds_before[256], fds_after[256], dir[] = "/tmp/gh-controlplane-XXXXXX";
+	char fds_before[256], fds_after[256], line[64], err[GH_ERR_LEN];
 	struct sigaction ignore = { .sa_handler = SIG_IGN }, got;
 	sigset_t usr2, mask;
 	pid_t pid = 0;
-	int leaked_fd, status, plain, stdin_pipe[2], saved_stdin;
-	ssize_t n;
+	int status, stdin_pipe[2], saved_stdin;
 
-	if (argc == 4 && !strcmp(argv[1], "-I"))
-		return launcher(argc, argv);
-	if ((n = readlink("/proc/self/exe", self, sizeof(self) - 1)) < 0 || !mkdtemp(dir))
-		return 2;
-	self[n] = '\0';
-	snprintf(report, sizeof(report), "%s/report", dir);
-	snprintf(report_env, sizeof(report_env), "GH_TEST_REPORT=%s", report);
-
-	/* The task's state that must reach neither the launcher nor change here. */
-	leaked_fd = open("/dev/zero", O_RDONLY); /* not close-on-exec */
 	if (pipe(stdin_pipe) < 0 || (saved_stdin = dup(STDIN_FILENO)) < 0 || dup2(stdin_pipe[0], STDIN_FILENO) < 0)
-		return 2;
+		exit(2);
 	close(stdin_pipe[0]); /* the task's stdin is a pipe now (the job's input) */
 	sigaction(SIGUSR1, &ignore, NULL);
 	sigemptyset(&usr2);
@@ -145,21 +143,21 @@ int main(int argc, char **argv)
 	open_fds(fds_before, sizeof(fds_before));
 	{
 		char *job_env[] = { "LD_PRELOAD=/gh/lib/libgreyhound_hook.so", "PYTHONPATH=/gh/python:/user/py::/x",
-				    "GREYHOUND_CONTROL_PLANE=0", report_env, "KEEP=a=b", NULL };
+				    "GREYHOUND_CONTROL_PLANE=0", (char *)p->report_env, "KEEP=a=b", NULL };
 
-		CHECK(gh_control_plane_start(self, job_env, "/gh/lib/libgreyhound_hook.so", "/gh/python", &pid, err,
+		CHECK(gh_control_plane_start(p->self, job_env, "/gh/lib/libgreyhound_hook.so", "/gh/python", &pid, err,
 					     sizeof(err)) == 0);
 	}
 	CHECK(pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0);
-	CHECK(report_has(report, "argc=4\nargs=-I -m greyhound.control.launch\n"));
+	CHECK(report_has(p->report, "argc=4\nargs=-I -m greyhound.control.launch\n"));
 	/* Only stdin (from /dev/null), stdout and stderr: not the task's other fds. */
-	CHECK(report_has(report, "fds=0,1,2,\nstdin=/dev/null\n"));
-	CHECK(report_has(report, "sigign=0000000000000000\nsigblk=0000000000000000\n"));
-	CHECK(report_has(report, "pdeathsig=15\n"));
+	CHECK(report_has(p->report, "fds=0,1,2,\nstdin=/dev/null\n"));
+	CHECK(report_has(p->report, "sigign=0000000000000000\nsigblk=0000000000000000\n"));
+	CHECK(report_has(p->report, "pdeathsig=15\n"));
 	snprintf(line, sizeof(line), "ppid=%ld\n", (long)getpid());
-	CHECK(report_has(report, line)); /* a child of the task (the script-to-be), no double fork */
+	CHECK(report_has(p->report, line)); /* a child of the task (the script-to-be), no double fork */
 	/* greyhound's entries off the search paths, the user's values as they were. */
-	CHECK(report_has(report, "LD_PRELOAD=<unset>\nPYTHONPATH=/user/py::/x\nplane=1\nkeep=a=b\n"));
+	CHECK(report_has(p->report, "LD_PRELOAD=<unset>\nPYTHONPATH=/user/py::/x\nplane=1\nkeep=a=b\n"));
 
 	/* The caller is as it was: its fds, its ignored and blocked signals, no child. */
 	open_fds(fds_after, sizeof(fds_after));
@@ -171,48 +169,86 @@ int main(int argc, char **argv)
 	dup2(saved_stdin, STDIN_FILENO);
 	close(saved_stdin);
 	close(stdin_pipe[1]);
-	open_fds(fds_before, sizeof(fds_before));
+}
 
-	/* Variables that are not greyhound's entry are left alone. */
-	unlink(report);
-	{
-		char *job_env[] = { "PYTHONPATH=/user/py", report_env, NULL };
+/* Variables that are not greyhound's entry are left alone. */
+static void test_other_entries_left_alone(const struct paths *p)
+{
+	char *job_env[] = { "PYTHONPATH=/user/py", (char *)p->report_env, NULL };
+	char err[GH_ERR_LEN];
+	pid_t pid = 0;
+	int status;
 
-		CHECK(gh_control_plane_start(self, job_env, "", "/gh/python", &pid, err, sizeof(err)) == 0);
-	}
-	CHECK(waitpid(pid, &status, 0) == pid && report_has(report, "PYTHONPATH=/user/py\nplane=1\n"));
+	unlink(p->report);
+	CHECK(gh_control_plane_start(p->self, job_env, "", "/gh/python", &pid, err, sizeof(err)) == 0);
+	CHECK(waitpid(pid, &status, 0) == pid && report_has(p->report, "PYTHONPATH=/user/py\nplane=1\n"));
+}
 
-	/* A python= that cannot run: -1 with the cause, the failed child reaped here. */
+/* A python= that cannot run: -1 with the cause, the failed child reaped here, and
+ * the fds as they were in `fds_before`. */
+static void test_python_that_cannot_run(const struct paths *p, const char *fds_before)
+{
+	char fds_after[256], err[GH_ERR_LEN];
+	pid_t pid = 0;
+	int plain;
+
 	CHECK(gh_control_plane_start("/nonexistent/python", (char *[]){ NULL }, "", "", &pid, err, sizeof(err)) < 0 &&
 	      !strcmp(err, "python=/nonexistent/python: No such file or directory"));
 	CHECK(no_child_left());
-	snprintf(line, sizeof(line), "%s/plain", dir);
-	plain = open(line, O_WRONLY | O_CREAT | O_EXCL, 0644);
+	plain = open(p->plain, O_WRONLY | O_CREAT | O_EXCL, 0644);
 	close(plain);
-	CHECK(gh_control_plane_start(line, (char *[]){ NULL }, "", "", &pid, err, sizeof(err)) < 0 &&
+	CHECK(gh_control_plane_start(p->plain, (char *[]){ NULL }, "", "", &pid, err, sizeof(err)) < 0 &&
 	      strstr(err, ": Permission denied") != NULL);
 	CHECK(no_child_left());
 	open_fds(fds_after, sizeof(fds_after));
 	CHECK(!strcmp(fds_before, fds_after));
+}
 
-	/* A task with stdin closed: the launcher still gets /dev/null as its stdin. */
-	unlink(report);
-	{
-		char *job_env[] = { report_env, NULL };
-		int saved = dup(STDIN_FILENO);
+/* A task with stdin closed: the launcher still gets /dev/null as its stdin. */
+static void test_closed_stdin(const struct paths *p)
+{
+	char *job_env[] = { (char *)p->report_env, NULL };
+	char err[GH_ERR_LEN];
+	pid_t pid = 0;
+	int status, saved = dup(STDIN_FILENO);
 
-		close(STDIN_FILENO);
-		CHECK(gh_control_plane_start(self, job_env, "", "", &pid, err, sizeof(err)) == 0);
-		CHECK(fcntl(STDIN_FILENO, F_GETFD) < 0); /* still closed here */
-		dup2(saved, STDIN_FILENO);
-		close(saved);
-	}
-	CHECK(waitpid(pid, &status, 0) == pid && report_has(report, "fds=0,1,2,\nstdin=/dev/null\n"));
+	unlink(p->report);
+	close(STDIN_FILENO);
+	CHECK(gh_control_plane_start(p->self, job_env, "", "", &pid, err, sizeof(err)) == 0);
+	CHECK(fcntl(STDIN_FILENO, F_GETFD) < 0); /* still closed here */
+	dup2(saved, STDIN_FILENO);
+	close(saved);
+	CHECK(waitpid(pid, &status, 0) == pid && report_has(p->report, "fds=0,1,2,\nstdin=/dev/null\n"));
+}
+
+int main(int argc, char **argv)
+{
+	static struct paths p = { .dir = "/tmp/gh-controlplane-XXXXXX" };
+	char fds[256];
+	int leaked_fd;
+	ssize_t n;
+
+	if (argc == 4 && !strcmp(argv[1], "-I"))
+		return launcher(argc, argv);
+	if ((n = readlink("/proc/self/exe", p.self, sizeof(p.self) - 1)) < 0 || !mkdtemp(p.dir))
+		return 2;
+	p.self[n] = '\0';
+	snprintf(p.report, sizeof(p.report), "%s/report", p.dir);
+	snprintf(p.report_env, sizeof(p.report_env), "GH_TEST_REPORT=%s", p.report);
+	snprintf(p.plain, sizeof(p.plain), "%s/plain", p.dir);
+
+	/* The task's state that must reach neither the launcher nor change here. */
+	leaked_fd = open("/dev/zero", O_RDONLY); /* not close-on-exec */
+	test_launcher_gets_a_clean_start(&p);
+	open_fds(fds, sizeof(fds));
+	test_other_entries_left_alone(&p);
+	test_python_that_cannot_run(&p, fds);
+	test_closed_stdin(&p);
 
 	close(leaked_fd);
-	unlink(report);
-	unlink(line);
-	rmdir(dir);
+	unlink(p.report);
+	unlink(p.plain);
+	rmdir(p.dir);
 	printf("%d passed, %d failed\n", passed, failed);
 	return failed != 0;
 }

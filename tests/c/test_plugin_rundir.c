@@ -112,23 +112,13 @@ static int outside_intact(void)
 	return is_file_with(at("outside/secret"), "root's\n") && is_file_with(at("outside/keep"), "keep\n");
 }
 
-int main(int argc, char **argv)
+/* rundir=: made if missing, refused where a user could plant or swap it. */
+static void test_rundir_checks(void)
 {
-	char err[GH_ERR_LEN] = "", path[PATH_MAX];
-	struct stat st, st2;
-	int fd, job_fd;
+	char err[GH_ERR_LEN] = "";
+	struct stat st;
+	int fd;
 
-	if (argc != 2 || geteuid() != 0) {
-		fprintf(stderr, "usage (as root): %s EMPTY_DIR\n", argv[0]);
-		return 2;
-	}
-	snprintf(base, sizeof(base), "%s", argv[1]);
-	if (mkdir(at("outside"), 0755) < 0)
-		return 2;
-	write_file(at("outside/secret"), "root's\n");
-	write_file(at("outside/keep"), "keep\n");
-
-	/* --- rundir= checks ------------------------------------------------------------- */
 	fd = gh_rundir_open(at("made/by/us"), 1, err, sizeof(err));
 	CHECK(fd >= 0 && fstat(fd, &st) == 0 && S_ISDIR(st.st_mode) && (st.st_mode & 07777) == 0755 && st.st_uid == 0);
 	CHECK(stat(at("made/by"), &st) == 0 && (st.st_mode & 07777) == 0755);
@@ -161,10 +151,16 @@ int main(int argc, char **argv)
 	CHECK(gh_rundir_open(at("tmp/squatted"), 1, err, sizeof(err)) < 0 && strstr(err, "is not owned by root"));
 	CHECK(symlink(at("real"), at("tmp/planted")) == 0 && lchown(at("tmp/planted"), 65534, 65534) == 0);
 	CHECK(gh_rundir_open(at("tmp/planted"), 1, err, sizeof(err)) < 0 && strstr(err, "is a symlink"));
+}
 
-	/* --- a job's run directory ------------------------------------------------------ */
-	int rd = gh_rundir_open(at("rd"), 1, err, sizeof(err));
-	CHECK(rd >= 0);
+/* A job's run directory: made for the job's user, kept for its other steps, and its
+ * files never written through a planted symlink. */
+static void test_job_directory(int rd)
+{
+	char err[GH_ERR_LEN] = "left over"; /* a success clears what an earlier failure left */
+	struct stat st, st2;
+	int fd, job_fd;
+
 	job_fd = gh_job_dir_prepare(rd, 41, 65534, 65534, err, sizeof(err));
 	CHECK(job_fd >= 0 && fstat(job_fd, &st) == 0 && st.st_uid == 65534 && st.st_gid == 65534 &&
 	      (st.st_mode & 07777) == 0700 && err[0] == '\0');
@@ -180,6 +176,13 @@ int main(int argc, char **argv)
 	CHECK(is_file_with(at("rd/41/options"), "mode=detect\n") && lstat(at("rd/41/options"), &st) == 0 &&
 	      S_ISREG(st.st_mode) && st.st_uid == 65534 && (st.st_mode & 07777) == 0600 && outside_intact());
 	close(job_fd);
+}
+
+static void test_reused_job_ids(int rd)
+{
+	char err[GH_ERR_LEN] = "";
+	struct stat st;
+	int fd;
 
 	/* A reused job id: another user's old directory (with their trace) is not handed over. */
 	CHECK(mkdir(at("rd/42"), 0700) == 0 && chown(at("rd/42"), 12345, 12345) == 0);
@@ -201,8 +204,14 @@ int main(int argc, char **argv)
 	fd = gh_job_dir_prepare(rd, 44, 65534, 65534, err, sizeof(err));
 	CHECK(fd >= 0 && lstat(at("rd/44"), &st) == 0 && S_ISDIR(st.st_mode) && outside_intact());
 	close(fd);
+}
 
-	/* --- job end: rings go, the rest stays ---------------------------------------- */
+/* Job end: rings go, the rest stays. */
+static void test_job_end(int rd)
+{
+	char err[GH_ERR_LEN] = "";
+	struct stat st;
+
 	write_file(at("rd/41/ring.0"), "r");
 	write_file(at("rd/41/ring.1.7"), "r");
 	CHECK(symlink(at("outside/secret"), at("rd/41/ring.2")) == 0);
@@ -217,8 +226,15 @@ int main(int argc, char **argv)
 	age(at("rd/41.end"), 1000);
 	CHECK(gh_job_dir_end(rd, 41, err, sizeof(err)) == 1 && stat(at("rd/41.end"), &st) == 0 &&
 	      st.st_mtime <= time(NULL) - 999);
+}
 
-	/* --- retention ------------------------------------------------------------------ */
+/* Retention: expired job directories and leftover trash go, and removal never follows
+ * a symlink. */
+static void test_retention(int rd)
+{
+	char err[GH_ERR_LEN] = "", path[PATH_MAX];
+	struct stat st;
+
 	plant(at("rd/41"));
 	age(at("rd/41.end"), 8 * 86400); /* ended 8 days ago: expired under retain=7 */
 	CHECK(gh_job_dir_end(rd, 42, err, sizeof(err)) == 1);
@@ -241,6 +257,32 @@ int main(int argc, char **argv)
 	      outside_intact());
 	CHECK(gh_remove_tree_at(rd, "no-such-entry") == 0);
 	CHECK(stat(at("outside/secret"), &st) == 0 && st.st_nlink == 1); /* the hard links went, the file stayed */
+}
+
+int main(int argc, char **argv)
+{
+	char err[GH_ERR_LEN] = "";
+	int rd;
+
+	if (argc != 2 || geteuid() != 0) {
+		fprintf(stderr, "usage (as root): %s EMPTY_DIR\n", argv[0]);
+		return 2;
+	}
+	snprintf(base, sizeof(base), "%s", argv[1]);
+	if (mkdir(at("outside"), 0755) < 0)
+		return 2;
+	write_file(at("outside/secret"), "root's\n");
+	write_file(at("outside/keep"), "keep\n");
+
+	test_rundir_checks();
+
+	/* --- a job's run directory ------------------------------------------------------ */
+	rd = gh_rundir_open(at("rd"), 1, err, sizeof(err));
+	CHECK(rd >= 0);
+	test_job_directory(rd);
+	test_reused_job_ids(rd);
+	test_job_end(rd);
+	test_retention(rd);
 	close(rd);
 
 	printf("%d passed, %d failed\n", passed, failed);
