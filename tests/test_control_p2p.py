@@ -111,3 +111,40 @@ def test_links_that_look_even_are_measured_once():
     assert proc.returncode == 0, proc.stderr
     got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     assert got == {"rounds": 1, "slow": [], "passes": []}
+
+
+SLOW_PEER = """
+import json, sys, time
+from mpi4py import MPI
+from greyhound.control.p2p import measure_passes
+
+class Delayed:
+    '''The world communicator, with rank 1's data exchanges held back 0.3 s each: a
+    narrow link as both ends see it.'''
+    def __init__(self, comm, delay):
+        self.comm, self.delay, self.exchanges = comm, delay, 0
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+    def Sendrecv(self, *args, sendtag=0, **kw):
+        if sendtag == 7:
+            self.exchanges += 1
+            time.sleep(self.delay)
+        return self.comm.Sendrecv(*args, sendtag=sendtag, **kw)
+
+comm = Delayed(MPI.COMM_WORLD, float(sys.argv[1]) if MPI.COMM_WORLD.rank == 1 else 0.0)
+comm.alltoall([None] * comm.size)   # connected first, as the control plane does at its start
+bw = measure_passes(comm, f"n{comm.rank}", [[("n0", "n1")]], nodes=["n0", "n1"], nbytes=1 << 16, repeats=3)
+counts = MPI.COMM_WORLD.gather(comm.exchanges, root=0)
+if comm.rank == 0:
+    print(json.dumps({"exchanges": counts, "bw": bw}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay, exchanges", [(0.3, 1), (0.0, 3)])
+def test_a_link_slow_at_one_end_is_measured_once_by_both_ends(delay, exchanges):
+    proc = mpirun(2, [sys.executable, "-c", SLOW_PEER, str(delay)], env=dict(os.environ), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    # Both ends stop together (else one would wait for ever for the other's next send).
+    assert got["exchanges"] == [exchanges, exchanges]
+    assert list(got["bw"]) == ["n0<->n1"]
