@@ -271,3 +271,24 @@ def test_a_link_under_the_dp_rings_gets_a_placement_that_puts_it_under_pipeline_
     slow = next(r for r, (d, _) in enumerate(plan["placement"]) if d == 1)
     planner.on_verdict({**VERDICT, "ranks": [slow]}, _ranks({slow: 0.15}))
     assert json.loads(client.get(store.PLAN))["microbatch_split"] == [12, 4]
+
+
+def test_two_stragglers_in_different_stages_are_consolidated_into_one_stage(job):
+    run_dir, client = job
+    nodes = ["n1", "n1", "n2", "n2", "n3", "n3", "n4", "n4"]
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    _board(client, nodes)
+    ranks = {r: {**state, "node": nodes[r]} for r, state in _ranks({2: 0.15, 5: 0.15}).items()}
+    # Rank 2 runs replica 0's stage 2, rank 5 replica 1's stage 1: both 3x slower.
+    verdict = {**VERDICT, "ranks": [2], "nodes": ["n2"], "where": "rank 2 on n2", "link_bandwidth_Bps": 1e8,
+               "also": [{"kind": "compute", "ranks": [5], "nodes": ["n3"], "strength": 8.0}]}
+    planner = Planner(client, run_dir)
+    planner.on_verdict(verdict, ranks)
+    assert json.loads(client.get(store.PLAN))["level"] == "S2"        # the cheaper rung first
+    planner.poll(ranks)
+    plan = json.loads(client.get(store.PLAN))
+    assert (plan["version"], plan["level"]) == (2, "S3")
+    stage = {rank: cell[1] for rank, cell in enumerate(plan["placement"])}
+    assert stage[2] == stage[5] and stage[2] in (1, 2)              # one stage, an inner one
+    event = read_events(run_dir)[-1]
+    assert (event["kind"], event["level"]) == ("mitigation", "S3") and "rank 2" in event["why"]
