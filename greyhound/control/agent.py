@@ -296,8 +296,8 @@ class NodeAgent:
             ranks.append(rank)
             n = tracker.num_iterations
             # The iteration list is appended every few polls, with the comm figures:
-            # two commands per rank and poll were a fifth of the agent's cost, and no
-            # decision reads the list (the fields below carry what the master uses).
+            # it was two of the three commands a rank's poll sent, and no decision
+            # reads it (the fields below carry what the master uses).
             restart, new = proc.republish, []
             if restart or with_comms:
                 proc.republish = False

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from greyhound.mitigate.placement import CostModel, PlacementPlan
+from greyhound.mitigate.placement import CostModel, PlacementPlan, layout
 
 Cell = tuple[int, int]
 
@@ -56,8 +56,7 @@ def pipelines(placement: Sequence[Cell]) -> list[list[int]]:
     """The ranks of each replica's stages, in stage order, under a placement."""
     dp = 1 + max(d for d, _ in placement)
     pp = 1 + max(s for _, s in placement)
-    rank_at = {cell: r for r, cell in enumerate(placement)}
-    return [[rank_at[(d, s)] for s in range(pp)] for d in range(dp)]
+    return [list(p) for p in layout(placement, dp=dp, pp=pp).pipelines]
 
 
 def _per_rank(comms: Mapping[int, Mapping[str, Mapping]], ops: frozenset[str]) -> dict[int, float]:
@@ -75,22 +74,23 @@ def step_model(comms: Mapping[int, Mapping[str, Mapping]], ranks: Mapping[int, M
     pp = 1 + max(s for _, s in placement)
     dp_rank = _per_rank(comms, DP_OPS)
     p2p_rank = _per_rank(comms, P2P_OPS)
-    dp_bytes, stage_seconds = [], []
+    dp_bytes, work = [], []
     for s in range(pp):
         members = [r for r, (_, stage) in enumerate(placement) if stage == s]
         moved = [dp_rank[r] for r in members if r in dp_rank]
         if not moved:
             raise ValueError(f"no communication figures for the ranks of stage {s} ({members})")
         dp_bytes.append(float(np.median(moved)))
-        work = [_work(ranks.get(r, {})) for r in members]
-        stage_seconds.append(float(np.median([w for w in work if w is not None])) if any(
-            w is not None for w in work) else float("nan"))
-    known = [w for w in stage_seconds if w > 0]
-    return CostModel(
-        dp_bytes=dp_bytes, pp_bytes=max(p2p_rank.values(), default=0.0) / 2, bandwidth=bandwidth,
-        # A stage without a figure takes the others' median: the model needs them all.
-        stage_seconds=[w if w > 0 else float(np.median(known)) for w in stage_seconds] if known else None,
-    )
+        known = [w for w in (_work(ranks.get(r, {})) for r in members) if w is not None]
+        work.append(float(np.median(known)) if known else None)
+    # A stage without a figure takes the others' median: the model needs them all.
+    measured = [w for w in work if w is not None]
+    stage_seconds = None
+    if measured:
+        fill = float(np.median(measured))
+        stage_seconds = [fill if w is None else w for w in work]
+    return CostModel(dp_bytes=dp_bytes, pp_bytes=max(p2p_rank.values(), default=0.0) / 2, bandwidth=bandwidth,
+                     stage_seconds=stage_seconds)
 
 
 def _work(state: Mapping) -> float | None:
@@ -126,8 +126,7 @@ def move_cost_s(plan: PlacementPlan, model: CostModel, *, step_s: float, measure
     there is one, else the estimate of the module doc."""
     if measured_s is not None:
         return measured_s
-    dp_bytes = model.dp_bytes
-    per_stage = [float(b) for b in dp_bytes] if isinstance(dp_bytes, Sequence) else [float(dp_bytes)] * (
-        1 + max(m.to_stage for m in plan.moves) if plan.moves else 0)
-    moved = sum(STATE_PER_GRADIENT * per_stage[m.to_stage] for m in plan.moves)
+    per_stage = model.dp_bytes
+    moved = sum(STATE_PER_GRADIENT * float(per_stage[m.to_stage] if isinstance(per_stage, Sequence) else per_stage)
+                for m in plan.moves)
     return moved / model.bandwidth + PAUSE_EDGE_STEPS * step_s
