@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hook_support import PYTHON, ROOT, base_env, hook_lib, run
 
 from greyhound.control.agent import NodeAgent
+from greyhound.ring import OP_NAMES
 
 LOOP = str(ROOT / "tests" / "hook_progs" / "mpi_loop.py")
 
@@ -41,4 +43,45 @@ def test_rings_that_appear_at_once_or_later_are_all_opened_and_other_nodes_left(
     _rank(tmp_path, 4)
     agent.discover()
     assert _ranks(agent) == [3, 4, 5]
+    agent.close()
+
+
+# A pipeline stage's step on a real ring: a small plan broadcast on the world, its
+# point-to-point calls there (2 a step, then 4: a new micro-batch split), and the
+# gradient all-reduce on its data-parallel communicator.
+STAGE_STEPS = """
+import sys, time
+import numpy as np
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+dp = world.Dup()
+plan, grads, out, msg, got = np.zeros(2), np.ones(16384), np.empty(16384), np.ones(64), np.empty(64)
+for step in range(int(sys.argv[1])):
+    world.Bcast(plan, root=0)
+    for _ in range(2 if step < 30 else 4):
+        recv = world.Irecv(got, source=0)
+        world.Send(msg, dest=0)
+        recv.Wait()
+    time.sleep(0.004)
+    dp.Allreduce(grads, out)
+"""
+
+
+def test_a_rank_is_cut_at_its_gradient_sync_and_counts_steps_by_it(tmp_path):
+    proc = run([PYTHON, "-c", STAGE_STEPS, "60"], base_env(tmp_path, hook_lib(), PMI_RANK="0", SLURMD_NODENAME="n7"))
+    assert proc.returncode == 0, proc.stderr
+    agent = NodeAgent(tmp_path, "n7")
+    agent.discover()
+    agent.poll()
+    (rank,) = agent.processes.values()
+    clock = agent.clock(rank)
+    assert clock is not None, "the tracker did not lock on the steps"
+    rows = rank.tracker.arrivals(clock.iteration, clock.iteration)
+    cut = rows[rows["position"] == clock.cut_position]
+    # Cut right after the gradient all-reduce (the biggest collective), wherever the
+    # tracker's iteration begins within the step; its count is the steps done.
+    assert OP_NAMES[int(cut["op"][0])] == "AllReduce"
+    assert clock.cut_step == int(cut["comm_ordinal"][0])
+    assert clock.started_s == pytest.approx(rank.reader.info.unix_seconds(int(cut["t_end_ns"][0])))
+    assert 55 <= clock.cut_step <= 59
     agent.close()

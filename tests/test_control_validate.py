@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from greyhound.control.validate import (
@@ -62,6 +64,17 @@ def test_ranks_cut_at_the_same_step_by_their_step_counts_whatever_their_timing()
     target = pause_steps(clocks, lead_s=1.2)
     # First step every rank can still reach: 41 + 1 + ceil(1.2 / 0.5) = 45.
     assert target == {0: 44, 6: 43, 2: 43}
+
+
+def test_step_counts_that_disagree_by_more_than_the_ranks_can_be_apart_place_the_cut_by_time():
+    # One tracker counts two steps as one iteration: its count is half the others'.
+    # Cut by these counts, rank 0 would be parked 40 steps after the others.
+    clocks = [RankClock(rank=0, iteration=40, started_s=100.3, iteration_s=0.5, cut_position=16, cut_step=82),
+              RankClock(rank=1, iteration=20, started_s=100.1, iteration_s=1.0, cut_position=40, cut_step=41)]
+    assert pause_steps(clocks, lead_s=1.2) is None
+    # Read a lead apart, lockstep ranks differ by a few of the fastest rank's steps.
+    near = [clocks[0], dataclasses.replace(clocks[1], cut_step=82 - 4, iteration_s=0.5)]
+    assert pause_steps(near, lead_s=1.2) is not None
 
 
 def test_without_step_counts_the_cut_is_placed_by_time():

@@ -553,6 +553,28 @@ def test_comm_times_exact_on_tiny_records():
     assert arrivals["t_start_ns"][2] == 2_000_000_000
 
 
+def test_collectives_are_numbered_apart_from_point_to_point_calls_on_the_same_communicator():
+    # A pipeline stage on the default group: one plan broadcast a step, then its
+    # sends, 3 a step and later 5 (a new micro-batch split). The n-th broadcast is the
+    # n-th on every member whatever its sends, so broadcasts count steps.
+    recs, seq = [], 1
+    for step in range(30):
+        base = 1_000_000_000 * (step + 1)
+        recs.append(_record(seq, "Broadcast", base, base + 1000, comm=0xA, size=16))
+        seq += 1
+        for i in range(3 if step < 15 else 5):
+            recs.append(_record(seq, "Send", base + 10_000 * (i + 1), base + 10_000 * (i + 1) + 1000,
+                                comm=0xA, size=64))
+            seq += 1
+    tracker = RankTracker()
+    tracker.feed(np.concatenate(recs))
+    rows = tracker.arrivals()
+    broadcasts = rows[rows["op"] == ring.OP["Broadcast"]]
+    sends = rows[rows["op"] == ring.OP["Send"]]
+    np.testing.assert_array_equal(broadcasts["comm_ordinal"], np.arange(30))
+    np.testing.assert_array_equal(sends["comm_ordinal"], np.arange(15 * 3 + 15 * 5))
+
+
 def test_history_is_bounded():
     x = np.full(400, 0.1)
     records = _records(x, layout="hybrid", async_fraction=0.0)

@@ -37,11 +37,12 @@ What it does with them:
   iterations lost (up to ``lost / period``). BOCD+V sees such an iteration as one
   brief disturbance and does not report it.
 - Per call, kept for the last ``history_calls`` calls: its iteration and position in
-  it, its number among its communicator's calls (the n-th call on a communicator is
-  the same collective on every member, so the master matches ranks' arrivals on
-  (comm_id, comm_ordinal)), its enqueue time, and its duration once known (the call's
-  own return for a blocking call, its WAIT record for an async one, its DONE record's
-  device time where the hook times the device). :meth:`RankTracker.arrivals` and
+  it, its number among its communicator's collectives (the n-th collective on a
+  communicator is the same one on every member, so ranks' arrivals match on
+  (comm_id, comm_ordinal); point-to-point calls are numbered apart), its enqueue
+  time, and its duration once known (the call's own return for a blocking call, its
+  WAIT record for an async one, its DONE record's device time where the hook times
+  the device). :meth:`RankTracker.arrivals` and
   :meth:`RankTracker.comm_times` read them.
 """
 
@@ -57,12 +58,13 @@ from greyhound.analytics.detect import Detection
 from greyhound.analytics.intervals import SlowInterval, healthy_level, slow_intervals
 from greyhound.analytics.period import ClockConfig, IterationClock, Segment
 from greyhound.analytics.verify import BocdV, VerifyConfig
-from greyhound.ring import F_ASYNC, F_DEVICE_TIMED, IS_CALL, OP, op_mask
+from greyhound.ring import COLLECTIVE_OPS, F_ASYNC, F_DEVICE_TIMED, IS_CALL, OP, op_mask
 
 __all__ = ["TrackerConfig", "TrackerUpdate", "RankTracker", "ARRIVAL_DTYPE", "COMM_TIME_DTYPE"]
 
 _WAIT, _DONE = OP["Wait"], OP["Done"]
 _IS_WAIT_OR_DONE = op_mask((_WAIT, _DONE))
+_IS_COLLECTIVE = op_mask(COLLECTIVE_OPS)
 _NEEDED = ("seq", "t_start_ns", "t_end_ns", "size_bytes", "comm_id", "req_id", "op", "flags")
 
 ARRIVAL_DTYPE = np.dtype([
@@ -70,7 +72,7 @@ ARRIVAL_DTYPE = np.dtype([
     ("position", "<i4"),       # index of the call within its iteration
     ("call_number", "<i8"),    # the hook's call number (1, 2, ...; see RingReader.calls)
     ("comm_id", "<u8"),
-    ("comm_ordinal", "<i8"),   # 0, 1, ... among this rank's calls on comm_id
+    ("comm_ordinal", "<i8"),   # 0, 1, ... among this rank's collectives (or p2p calls) on comm_id
     ("op", "<u2"),
     ("size_bytes", "<u8"),
     ("t_start_ns", "<u8"),     # enqueue time (CLOCK_MONOTONIC)
@@ -168,7 +170,7 @@ class RankTracker:
         self.num_records = 0
         self._gap_calls: list[int] = []  # call index right after each gap
         self._gap_iterations: list[int] = []
-        self._comm_counts: dict[int, int] = {}
+        self._comm_counts: dict[tuple[int, bool], int] = {}
         self._table = _CallTable(self.config.history_calls)
         self._async: dict[int, int] = {}  # req_id -> call index (unfinished async calls)
         self._finished = False
@@ -320,16 +322,24 @@ class RankTracker:
     def _record_calls(self, calls: np.ndarray, first_index: int) -> None:
         if not len(calls):
             return
-        # Ordinal of each call among this rank's calls on its communicator, counting the
-        # calls of a batch too large for the table too.
+        # Ordinal of each call among this rank's collectives on its communicator (or
+        # among its point-to-point calls there), counting the calls of a batch too large
+        # for the table too. Collectives are counted apart: every member makes the same
+        # ones in the same order, so the n-th is the same collective everywhere, while
+        # the point-to-point calls on a communicator differ from rank to rank and from
+        # step to step (a pipeline stage's sends follow its micro-batch count).
         comm = calls["comm_id"]
+        collective = _IS_COLLECTIVE[calls["op"]]
         ordinals = np.empty(len(calls), dtype=np.int64)
-        for c in np.unique(comm):
-            mine = comm == c
-            base = self._comm_counts.get(int(c), 0)
-            count = int(mine.sum())
-            ordinals[mine] = base + np.arange(count)
-            self._comm_counts[int(c)] = base + count
+        for c in np.unique(comm).tolist():
+            on_comm = comm == c
+            for kind in (True, False):
+                mine = on_comm & (collective == kind)
+                count = int(mine.sum())
+                if count:
+                    base = self._comm_counts.get((c, kind), 0)
+                    ordinals[mine] = base + np.arange(count)
+                    self._comm_counts[(c, kind)] = base + count
         dropped = max(0, len(calls) - self.config.history_calls)
         calls, ordinals, first_index = calls[dropped:], ordinals[dropped:], first_index + dropped
         k = len(calls)

@@ -270,14 +270,24 @@ class NodeAgent:
         if not len(rows):
             return None
         collective = rows[_IS_COLLECTIVE[rows["op"]]]
-        cut = collective[np.argmax(collective["position"])] if len(collective) else rows[np.argmin(rows["position"])]
-        # A collective ends at the same moment on all its members, however early each
-        # entered it (a replica ahead waits inside): its end is the step's time.
-        cut_ns = int(cut["t_end_ns"]) if len(collective) else int(cut["t_start_ns"])
         cut_step = None
         if len(collective):
-            per_iteration = int((rows["comm_id"] == cut["comm_id"]).sum())
-            cut_step = int(cut["comm_ordinal"]) // max(1, per_iteration)
+            # The step's gradient sync: the communicator whose collectives move the most
+            # bytes (a plan broadcast or a loss all-reduce is small), its last call in
+            # the iteration. Where the tracker's iteration begins within a step varies
+            # from rank to rank; cutting at the sync on every rank keeps them in step.
+            comms, inverse = np.unique(collective["comm_id"], return_inverse=True)
+            moved = np.bincount(inverse.reshape(-1), weights=collective["size_bytes"].astype(np.float64),
+                                minlength=len(comms))
+            sync = collective[inverse.reshape(-1) == int(np.argmax(moved))]
+            cut = sync[np.argmax(sync["position"])]
+            cut_step = int(cut["comm_ordinal"]) // len(sync)
+            # A collective ends at the same moment on all its members, however early each
+            # entered it (a replica ahead waits inside): its end is the step's time.
+            cut_ns = int(cut["t_end_ns"])
+        else:
+            cut = rows[np.argmin(rows["position"])]
+            cut_ns = int(cut["t_start_ns"])
         return RankClock(rank=proc.reader.info.rank, iteration=n - 1, cut_step=cut_step,
                          started_s=float(proc.reader.info.unix_seconds(cut_ns)),
                          iteration_s=recent_median(tracker.iteration_times),

@@ -50,17 +50,26 @@ class RankClock:
     ``started_s`` is then that call's time."""
     cut_step: int | None = None
     """Steps the rank has completed at that cut: how many times it has made its cut
-    collective (its ordinal on that communicator, over the calls it makes there per
-    iteration). Every rank makes its step's gradient sync once a step, so this counts
-    the same steps everywhere, whatever each tracker's own numbering."""
+    collective, the step's gradient sync (its ordinal among the collectives on that
+    communicator, over the collectives it makes there per iteration). Every rank makes
+    its step's gradient sync once a step, so this counts the same steps everywhere,
+    whatever each tracker's own numbering."""
 
 
 def pause_steps(clocks: list[RankClock], *, lead_s: float) -> dict[int, int] | None:
     """For each rank, the index of its iteration to cut at, by step count: the first
-    step every rank can still reach after ``lead_s`` (None: some rank has no step count,
-    then :func:`pause_iterations` places the cut by time)."""
+    step every rank can still reach after ``lead_s``. None (then
+    :func:`pause_iterations` places the cut by time) when some rank has no step count,
+    or when the counts disagree by more steps than the ranks can be apart: lockstep
+    ranks, read at most ``lead_s`` apart, differ by at most that many of the fastest
+    rank's iterations. Counts that disagree more are not counting the same steps (a
+    tracker locked on two steps as one iteration): a cut placed by them would park
+    some ranks many steps ahead of the others, and the others could never get there."""
     cut_steps = [c.cut_step for c in clocks if c.cut_step is not None]
     if not clocks or len(cut_steps) < len(clocks):
+        return None
+    fastest = min(c.iteration_s for c in clocks)
+    if not fastest > 0 or max(cut_steps) - min(cut_steps) > 1 + math.ceil(lead_s / fastest):
         return None
     slowest = max(c.iteration_s for c in clocks)
     step = max(cut_steps) + 1 + math.ceil(lead_s / slowest)
