@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 from greyhound.control.redis_server import ADDRESS_FILE
@@ -27,6 +29,12 @@ from greyhound.slurm_client import start_overlap_step
 LOG_FILE = "control-plane.log"
 STARTS = 2
 """Attempts to start the plane before one line says it could not."""
+START_TIMEOUT_S = 60.0
+"""How long one start may take to bring the master's Redis up. It took 3-4 s from the
+batch step's start on the local cluster with 8 training ranks starting beside it
+(interpreter, mpi4py and Open MPI's start, redis-server); the rest is for a loaded
+node."""
+STOP_GRACE_S = 10.0
 
 
 def _last_line(path: Path) -> str:
@@ -35,6 +43,37 @@ def _last_line(path: Path) -> str:
     except OSError:
         return ""
     return lines[-1][:300] if lines else ""
+
+
+def _wait(proc: subprocess.Popen, address: Path, ending: list) -> tuple[bool, str]:
+    """(whether the plane came up, how the step ended) once the step ends. A start
+    that has not brought the master's Redis up (its address file) within
+    ``START_TIMEOUT_S`` is stopped: a plane task that crashed in MPI_Init has been seen
+    to leave srun waiting on the others until the job ended."""
+    since = time.time()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while proc.poll() is None:
+        if _written_since(address, since) or ending:
+            return _written_since(address, since), f"srun exited with status {proc.wait()}"
+        if time.monotonic() > deadline:
+            proc.terminate()                   # srun passes it on to the step's tasks
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return False, f"not up within {START_TIMEOUT_S:.0f} s, stopped"
+        time.sleep(0.2)
+    return _written_since(address, since), f"srun exited with status {proc.returncode}"
+
+
+def _written_since(path: Path, since: float) -> bool:
+    """Whether ``path`` was written at or after ``since`` (a requeued job's run dir
+    still holds its first run's address file)."""
+    try:
+        return path.stat().st_mtime >= since - 1.0
+    except OSError:
+        return False
 
 
 def main() -> int:
@@ -67,22 +106,16 @@ def main() -> int:
             print(f"greyhound: control plane not started: srun: {exc.strerror}; the job runs without online "
                   "detection", file=sys.stderr)
             return 0
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except InterruptedError:
-                continue
-        started = (Path(run_dir) / ADDRESS_FILE).exists()     # the master had its Redis up
+        started, ended = _wait(proc, Path(run_dir) / ADDRESS_FILE, ending)
         if ending or started:
             break
         # Open MPI 4.1's TCP transport now and then crashes inside MPI_Init when several
         # emulated nodes share a host: one more start before giving up.
         if attempt < STARTS:
-            os.write(fd, f"greyhound: control plane: start {attempt} failed (status {rc}); starting again\n".encode())
+            os.write(fd, f"greyhound: control plane: start {attempt} failed ({ended}); starting again\n".encode())
     os.close(fd)
     if not ending and not started:
-        why = _last_line(log_path) or f"srun exited with status {rc}"
+        why = _last_line(log_path) or ended
         print(f"greyhound: control plane not started: {why} (see {log_path}); the job runs without online "
               "detection", file=sys.stderr)
     return 0
