@@ -82,6 +82,9 @@ def test_a_rank_is_cut_at_its_gradient_sync_and_counts_steps_by_it(tmp_path):
     # tracker's iteration begins within the step; its count is the steps done.
     assert OP_NAMES[int(cut["op"][0])] == "AllReduce"
     assert clock.cut_step == int(cut["comm_ordinal"][0])
+    assert clock.cut_call == int(cut["call_number"][0])
     assert clock.started_s == pytest.approx(rank.reader.info.unix_seconds(int(cut["t_end_ns"][0])))
     assert 55 <= clock.cut_step <= 59
+    # A step now: the broadcast, 4 sends with their receives, the all-reduce.
+    assert clock.step_calls == 1 + 4 * 2 + 1
     agent.close()

@@ -58,19 +58,26 @@ def test_a_link_suspect_is_confirmed_by_a_slow_link_on_its_node():
 def test_ranks_cut_at_the_same_step_by_their_step_counts_whatever_their_timing():
     # Stage 0 ends its step 0.3 s after the last stage; their trackers number from
     # different phases. By step count they are cut at the same step.
-    clocks = [RankClock(rank=0, iteration=40, started_s=100.3, iteration_s=0.5, cut_position=16, cut_step=41),
-              RankClock(rank=6, iteration=39, started_s=100.0, iteration_s=0.5, cut_position=16, cut_step=41),
-              RankClock(rank=2, iteration=38, started_s=100.1, iteration_s=0.5, cut_position=32, cut_step=40)]
-    target = pause_steps(clocks, lead_s=1.2)
+    clocks = [RankClock(rank=0, iteration=40, started_s=100.3, iteration_s=0.5, cut_position=16, cut_step=41,
+                        step_calls=18),
+              RankClock(rank=6, iteration=39, started_s=100.0, iteration_s=0.5, cut_position=16, cut_step=41,
+                        step_calls=18),
+              RankClock(rank=2, iteration=38, started_s=100.1, iteration_s=0.5, cut_position=32, cut_step=40,
+                        step_calls=34)]
+    steps = pause_steps(clocks, lead_s=1.2)
     # First step every rank can still reach: 41 + 1 + ceil(1.2 / 0.5) = 45.
-    assert target == {0: 44, 6: 43, 2: 43}
+    assert steps == {0: 4, 6: 4, 2: 5}
+    # A rank whose last step's length is unknown cannot be placed by count.
+    assert pause_steps([*clocks[:2], dataclasses.replace(clocks[2], step_calls=0)], lead_s=1.2) is None
 
 
 def test_step_counts_that_disagree_by_more_than_the_ranks_can_be_apart_place_the_cut_by_time():
     # One tracker counts two steps as one iteration: its count is half the others'.
     # Cut by these counts, rank 0 would be parked 40 steps after the others.
-    clocks = [RankClock(rank=0, iteration=40, started_s=100.3, iteration_s=0.5, cut_position=16, cut_step=82),
-              RankClock(rank=1, iteration=20, started_s=100.1, iteration_s=1.0, cut_position=40, cut_step=41)]
+    clocks = [RankClock(rank=0, iteration=40, started_s=100.3, iteration_s=0.5, cut_position=16, cut_step=82,
+                        step_calls=18),
+              RankClock(rank=1, iteration=20, started_s=100.1, iteration_s=1.0, cut_position=40, cut_step=41,
+                        step_calls=36)]
     assert pause_steps(clocks, lead_s=1.2) is None
     # Read a lead apart, lockstep ranks differ by a few of the fastest rank's steps.
     near = [clocks[0], dataclasses.replace(clocks[1], cut_step=82 - 4, iteration_s=0.5)]

@@ -116,6 +116,19 @@ STALLED_POLLS = 4
 validation round): its figures are not counted."""
 _IS_BLOCKING = op_mask(CALL_OPS | {OP["Wait"]})
 _IS_COLLECTIVE = op_mask(COLLECTIVE_OPS)
+CLOCK_ITERATIONS = 3
+"""Iterations a rank's clock reads back: its last two step ends at least."""
+
+
+def _sync_comm(collective: np.ndarray) -> int:
+    """The communicator of a step's gradient sync: the one whose collectives move the
+    most bytes (a plan broadcast or a loss all-reduce is small). Cutting every rank
+    right after its sync keeps them in step, wherever each tracker's iteration begins
+    within a step."""
+    comms, inverse = np.unique(collective["comm_id"], return_inverse=True)
+    moved = np.bincount(inverse.reshape(-1), weights=collective["size_bytes"].astype(np.float64),
+                        minlength=len(comms))
+    return int(comms[int(np.argmax(moved))])
 
 
 def blocked_seconds(records: np.ndarray) -> float:
@@ -259,39 +272,41 @@ class NodeAgent:
 
     @staticmethod
     def clock(proc: _Process) -> RankClock | None:
-        """Where the rank stands (for the consistent pause): its last iteration, the
-        time and position of that iteration's last collective (the cut point), and its
-        iteration time; None until the tracker has locked on."""
+        """Where the rank stands (for the consistent pause): its last step's gradient
+        sync (the cut point: its time, position, call number and the steps done by
+        then), the calls of its last step, and its iteration time; None until the
+        tracker has locked on."""
         tracker = proc.tracker
         n = tracker.num_iterations
         if not tracker.locked or n < 2 or proc.reader.info.rank < 0:
             return None
-        rows = tracker.arrivals(n - 1, n - 1)
-        if not len(rows):
+        rows = tracker.arrivals(max(0, n - CLOCK_ITERATIONS), n - 1)
+        last = rows[rows["iteration"] == n - 1]
+        if not len(last):
             return None
+        info, iteration_s = proc.reader.info, recent_median(tracker.iteration_times)
         collective = rows[_IS_COLLECTIVE[rows["op"]]]
-        cut_step = None
-        if len(collective):
-            # The step's gradient sync: the communicator whose collectives move the most
-            # bytes (a plan broadcast or a loss all-reduce is small), its last call in
-            # the iteration. Where the tracker's iteration begins within a step varies
-            # from rank to rank; cutting at the sync on every rank keeps them in step.
-            comms, inverse = np.unique(collective["comm_id"], return_inverse=True)
-            moved = np.bincount(inverse.reshape(-1), weights=collective["size_bytes"].astype(np.float64),
-                                minlength=len(comms))
-            sync = collective[inverse.reshape(-1) == int(np.argmax(moved))]
-            cut = sync[np.argmax(sync["position"])]
-            cut_step = int(cut["comm_ordinal"]) // len(sync)
+        if not len(collective):
+            first = last[np.argmin(last["position"])]
+            return RankClock(rank=info.rank, iteration=n - 1, iteration_s=iteration_s,
+                             started_s=float(info.unix_seconds(int(first["t_start_ns"]))))
+        sync = collective[collective["comm_id"] == _sync_comm(collective)]
+        # The syncs of one step: those of the last iteration over the runs they come in
+        # (a tracker that took two steps for one iteration sees two runs, one a step).
+        in_last = sync["position"][sync["iteration"] == n - 1]
+        per_step = max(1, len(in_last) // max(1, 1 + int(np.count_nonzero(np.diff(in_last) != 1))))
+        ends = sync[sync["comm_ordinal"] % per_step == per_step - 1]
+        if not len(ends):
+            return None
+        cut = ends[-1]
+        before = ends[ends["comm_ordinal"] == cut["comm_ordinal"] - per_step]
+        return RankClock(
+            rank=info.rank, iteration=int(cut["iteration"]), iteration_s=iteration_s,
             # A collective ends at the same moment on all its members, however early each
             # entered it (a replica ahead waits inside): its end is the step's time.
-            cut_ns = int(cut["t_end_ns"])
-        else:
-            cut = rows[np.argmin(rows["position"])]
-            cut_ns = int(cut["t_start_ns"])
-        return RankClock(rank=proc.reader.info.rank, iteration=n - 1, cut_step=cut_step,
-                         started_s=float(proc.reader.info.unix_seconds(cut_ns)),
-                         iteration_s=recent_median(tracker.iteration_times),
-                         cut_position=int(cut["position"]) if len(collective) else -1)
+            started_s=float(info.unix_seconds(int(cut["t_end_ns"]))), cut_position=int(cut["position"]),
+            cut_step=int(cut["comm_ordinal"]) // per_step, cut_call=int(cut["call_number"]),
+            step_calls=int(cut["call_number"] - before["call_number"][0]) if len(before) else 0)
 
     def publish(self, client) -> None:
         """Each rank's state, new iteration times and (every few polls) comm figures,

@@ -70,20 +70,16 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat, s
         try:
             lead_s = validate.pause_lead_s(clocks, poll_s=request["poll_s"])
             at_s = time.time() + lead_s
-            iterations = validate.pause_steps(clocks, lead_s=lead_s) or validate.pause_iterations(clocks, at_s=at_s)
-            plan = {"iterations": iterations, "at_s": at_s,
+            steps = validate.pause_steps(clocks, lead_s=lead_s)
+            placed = {"steps": steps} if steps else {"iterations": validate.pause_iterations(clocks, at_s=at_s)}
+            plan = {**placed, "at_s": at_s,
                     "deadline_s": at_s + max(PARK_TIMEOUT_MIN_S, 5 * max(c.iteration_s for c in clocks))}
         except ValueError as exc:
             plan = {"error": str(exc)}
     plan = comm.bcast(plan, root=0)
     if "error" in plan:
         return {"paused": False, "why": plan["error"]} if root else None
-    targets = {}
-    for rank, proc in local.items():
-        start = proc.tracker.call_number_of_iteration(plan["iterations"][rank]) \
-            if rank in plan["iterations"] and here[rank] is not None else None
-        # Held before the call after the cut point (the step's last collective).
-        targets[rank] = None if start is None else start + here[rank].cut_position + 1
+    targets = {rank: _target(proc, here[rank], plan) for rank, proc in local.items()}
     unplaced = sorted(r for cs in comm.allgather([r for r, t in targets.items() if t is None]) for r in cs)
     if unplaced:
         return {"paused": False, "why": f"the trackers of ranks {unplaced} cannot place the pause iteration "
@@ -107,6 +103,7 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat, s
                  for r, t in targets.items()}
         where = {r: w for part in comm.allgather(where) for r, w in part.items()}
         return {"paused": False, "why": "not every rank reached the pause iteration in time",
+                "placed_by": "step count" if "steps" in plan else "time",
                 "waited_s": round(t_parked - t_pause, 3), "ranks": where} if root else None
     gemm = _gemm(comm, local, request, beat)
     bandwidth = link_bandwidth(comm, agent.node, request["passes"], nodes=nodes, beat=beat)
@@ -121,6 +118,21 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat, s
     results += validate.judge_links(slow, suspect_nodes=[tuple(n) for n in request["link_suspects"]])
     return {"paused": True, "pause_s": round(t_resumed - t_parked, 3), "park_s": round(t_parked - t_pause, 3),
             "gemm": gemm, "bandwidth_Bps": bandwidth, "slow_links": slow, "results": results}
+
+
+def _target(proc: _Process, clock: validate.RankClock | None, plan: dict) -> int | None:
+    """The call number to hold the rank before: the call after its cut point (the
+    step's gradient sync) at the planned step. By step count, a whole number of its
+    steps after its last cut; by time, its tracker's iteration's cut. None: this rank
+    cannot be placed."""
+    if clock is None:
+        return None
+    if "steps" in plan:
+        steps = plan["steps"].get(clock.rank)
+        return None if steps is None else clock.cut_call + steps * clock.step_calls + 1
+    iteration = plan["iterations"].get(clock.rank)
+    start = None if iteration is None else proc.tracker.call_number_of_iteration(iteration)
+    return None if start is None else start + clock.cut_position + 1
 
 
 def link_bandwidth(comm, node: str, passes: list, *, nodes: list[str],

@@ -51,21 +51,28 @@ class RankClock:
     cut_step: int | None = None
     """Steps the rank has completed at that cut: how many times it has made its cut
     collective, the step's gradient sync (its ordinal among the collectives on that
-    communicator, over the collectives it makes there per iteration). Every rank makes
+    communicator, over the collectives it makes there a step). Every rank makes
     its step's gradient sync once a step, so this counts the same steps everywhere,
     whatever each tracker's own numbering."""
+    cut_call: int = 0
+    """The hook's call number of the cut collective."""
+    step_calls: int = 0
+    """Calls the rank made in its last step (from the sync before the cut to the cut;
+    0: unknown). A new micro-batch split changes it, and the tracker's period follows
+    only once it locks again: a cut placed by the period then misses the step."""
 
 
 def pause_steps(clocks: list[RankClock], *, lead_s: float) -> dict[int, int] | None:
-    """For each rank, the index of its iteration to cut at, by step count: the first
-    step every rank can still reach after ``lead_s``. None (then
-    :func:`pause_iterations` places the cut by time) when some rank has no step count,
-    or when the counts disagree by more steps than the ranks can be apart: lockstep
+    """For each rank, how many steps after its cut to cut again, by step count: at the
+    first step every rank can still reach after ``lead_s`` (the rank's gate is then
+    set ``steps * step_calls`` calls after its cut). None (then
+    :func:`pause_iterations` places the cut by time) when some rank has no step count
+    or step length, or when the counts disagree by more steps than the ranks can be apart: lockstep
     ranks, read at most ``lead_s`` apart, differ by at most that many of the fastest
     rank's iterations. Counts that disagree more are not counting the same steps (a
     tracker locked on two steps as one iteration): a cut placed by them would park
     some ranks many steps ahead of the others, and the others could never get there."""
-    cut_steps = [c.cut_step for c in clocks if c.cut_step is not None]
+    cut_steps = [c.cut_step for c in clocks if c.cut_step is not None and c.step_calls > 0]
     if not clocks or len(cut_steps) < len(clocks):
         return None
     fastest = min(c.iteration_s for c in clocks)
@@ -73,7 +80,7 @@ def pause_steps(clocks: list[RankClock], *, lead_s: float) -> dict[int, int] | N
         return None
     slowest = max(c.iteration_s for c in clocks)
     step = max(cut_steps) + 1 + math.ceil(lead_s / slowest)
-    return {c.rank: c.iteration + (step - cut) for c, cut in zip(clocks, cut_steps, strict=True)}
+    return {c.rank: step - cut for c, cut in zip(clocks, cut_steps, strict=True)}
 
 
 def pause_iterations(clocks: list[RankClock], *, at_s: float) -> dict[int, int]:
