@@ -53,8 +53,9 @@ def _wait(proc: subprocess.Popen, address: Path, ending: list) -> tuple[bool, st
     since = time.time()
     deadline = time.monotonic() + START_TIMEOUT_S
     while proc.poll() is None:
-        if _written_since(address, since) or ending:
-            return _written_since(address, since), f"srun exited with status {proc.wait()}"
+        up = _written_since(address, since)
+        if up or ending:
+            return up, f"srun exited with status {proc.wait()}"
         if time.monotonic() > deadline:
             proc.terminate()                   # srun passes it on to the step's tasks
             try:

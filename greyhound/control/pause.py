@@ -4,8 +4,9 @@ Collective over the plane's MPI world (every rank calls :func:`validation_round`
 the master's request, broadcast from rank 0):
 
 1. every agent reports where each of its ranks stands (tracker clocks); rank 0 picks
-   the common future step boundary (validate.pause_iterations) and every agent sets
-   each rank's gate right after that step's last collective;
+   the common future step boundary (validate.pause_steps, else
+   validate.pause_iterations) and every agent sets each rank's gate right after that
+   step's gradient sync;
 2. the agents wait until every rank is parked there (or give up after a deadline:
    then everything resumes and the round says the pause failed);
 3. GEMMs run one rank at a time in the parked ranks' own processes: a probe on the

@@ -3,14 +3,16 @@ the plane (plane.py) carries them out on every node at once.
 
 The pause. A rank blocked inside a call (a receive waiting for a parked peer) never
 reaches the gate, so "park every rank at its next call" can deadlock the pause. Every
-rank is instead parked at the same step boundary: right after its last collective of
-an iteration (the gradient sync that ends a training step; every point-to-point
-message of a step is matched within that step, so a rank cut there owes nobody
-anything). Each rank's tracker numbers its iterations from its own phase (where its
-lock fell in the cycle), so the boundary is placed by time, not by number: ranks of a
-synchronous job run in lockstep, and each rank's boundary nearest a common future time
-T belongs to the same step everywhere. The agent turns it into that rank's call
-number and sets the gate to hold the rank right before the call after the boundary.
+rank is instead parked at the same step boundary: right after its step's gradient
+sync (every point-to-point message of a step is matched within that step, so a rank
+cut there owes nobody anything). Each rank's tracker numbers its iterations from its
+own phase (where its lock fell in the cycle), so the boundary is placed by step count
+(:func:`pause_steps`: how many syncs each rank has made, the same steps everywhere),
+a whole number of the rank's own steps after its last sync. Where the counts cannot
+be trusted it is placed by time (:func:`pause_iterations`): ranks of a synchronous job
+run in lockstep, and each rank's boundary nearest a common future time T belongs to
+the same step everywhere. The agent turns either into that rank's call number and
+sets the gate to hold the rank right before the call after the boundary.
 
 The tests, while every rank is parked:
 - a GEMM in each suspect rank's own process (its CPU set, cgroup, device), sized to
@@ -67,9 +69,9 @@ def pause_steps(clocks: list[RankClock], *, lead_s: float) -> dict[int, int] | N
     first step every rank can still reach after ``lead_s`` (the rank's gate is then
     set ``steps * step_calls`` calls after its cut). None (then
     :func:`pause_iterations` places the cut by time) when some rank has no step count
-    or step length, or when the counts disagree by more steps than the ranks can be apart: lockstep
-    ranks, read at most ``lead_s`` apart, differ by at most that many of the fastest
-    rank's iterations. Counts that disagree more are not counting the same steps (a
+    or step length, or when the counts disagree by more steps than the ranks can be
+    apart: lockstep ranks, read at most ``lead_s`` apart, differ by at most that many
+    of the fastest rank's iterations. Counts that disagree more are not counting the same steps (a
     tracker locked on two steps as one iteration): a cut placed by them would park
     some ranks many steps ahead of the others, and the others could never get there."""
     cut_steps = [c.cut_step for c in clocks if c.cut_step is not None and c.step_calls > 0]
