@@ -220,6 +220,34 @@ def test_a_new_pattern_is_locked_again_and_the_numbers_go_on():
     assert not tracker.fail_slow
 
 
+def test_a_short_micro_batch_re_split_ends_the_lock_where_it_began_and_keeps_the_history():
+    # S2 on a pipeline stage: 8 micro-batches a step (35 calls), 3 for 55 steps (15
+    # calls), then 8 again. The young lock's check falls inside the split: it must end
+    # the lock where the split began, not withdraw every iteration since the job began
+    # (each rank lost its healthy reference at every split change on the local
+    # cluster), and the split must lock at its own period, not at lcm(35, 15) = 105 of
+    # the mixed calls.
+    parts = [call_trace(np.random.default_rng(seed), num_iterations=n, tp=1, pp=2, microbatches=mb, layers=1,
+                        warmup_calls=warmup)
+             for seed, (n, mb, warmup) in enumerate([(120, 8, 20), (55, 3, 0), (100, 8, 0)])]
+    assert [truth.calls_per_iteration for _, truth in parts] == [35, 15, 35]
+    times, offset = [], 0.0
+    for trace, _ in parts:
+        times.append(trace.time + offset)
+        offset = times[-1][-1] + 1.0
+    op, comm, nbytes = (np.concatenate([getattr(trace, f) for trace, _ in parts]) for f in ("op", "comm", "nbytes"))
+    t = np.concatenate(times)
+    clock = IterationClock()
+    steps = [clock.feed(op[lo : lo + 300], comm[lo : lo + 300], nbytes[lo : lo + 300], t[lo : lo + 300])
+             for lo in range(0, len(op), 300)]
+    steps.append(clock.finish())
+    assert [(s.period, s.first_iteration) for s in clock.segments] == [(35, 0), (15, 119), (35, 174)]
+    assert min(s.withdrawn_from for s in steps if s.withdrawn_from is not None) >= 119
+    measured, _, _ = collect_steps(steps)
+    assert np.median(measured[:119]) == pytest.approx(1.0, rel=0.03)
+    assert np.median(measured[120:173]) == pytest.approx(1.0, rel=0.03)
+
+
 def test_a_motif_inside_the_iteration_is_not_locked():
     # 128 identical TP AllReduces forward, 128 backward (other bytes), then DP calls.
     pattern = [(1, 1, 4), ] * 128 + [(1, 1, 8)] * 128 + [(2, 2, 64), (3, 2, 64), (1, 3, 8)]

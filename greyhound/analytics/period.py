@@ -924,6 +924,16 @@ class IterationClock:
         disproved = num_tokens > 1 if p == 1 else (found is not None and found != p)
         if not disproved:
             return
+        changed = self._changed_at(lo, c, found)
+        if changed is not None:
+            # The lock held, then the pattern changed (a new micro-batch split): it ends
+            # where the change began, as on re-lock evidence, and keeps the iterations
+            # before. Withdrawing them all lost every rank's history (its healthy
+            # reference) at each S2 split change on the local cluster, and the search
+            # on the mixed calls locked on multiples of the step (4 and 7 steps).
+            self._bad_from = changed
+            self._end_lock(changed)
+            return
         self._disproved.add(p)
         self._iters = seg.first_iteration
         self._withdrew = self._iters
@@ -939,6 +949,36 @@ class IterationClock:
             return
         self.last_period = found
         self._set_candidate(cand, max(cand.start_call, seg.start_call), c)
+
+    def _changed_at(self, lo: int, c: int, found: int | None) -> int | None:
+        """Where the young lock's pattern stopped repeating, if it had held until then:
+        the first call of its first iteration in [lo, c) with fewer than ``min_match``
+        of its calls equal to the call one period later, when the calls before it span
+        more than ``found`` (the period a search on [lo, c) found) and a period search
+        on them alone finds the lock's period again. None otherwise: the lock was a
+        motif, a run of micro-batches that ends within one of the real iterations, and
+        its calls span less than one of them."""
+        seg = self._seg
+        assert seg is not None
+        p, use_bytes = seg.period, seg.tokens_use_bytes
+        first = seg.start_call + -(-(lo - seg.start_call) // p) * p
+        count = (c - first) // p - 1
+        if found is None or count < 1:
+            return None
+        frac = self._same(first, first + count * p, p, use_bytes).reshape(count, p).mean(axis=1)
+        bad = np.flatnonzero(frac < self.config.min_match)
+        if not len(bad):
+            return None
+        changed = first + int(bad[0]) * p
+        if changed - seg.start_call <= found:
+            return None
+        op, comm, nb, _ = self._cols(max(lo, changed - self.config.window), changed)
+        tokens, num_tokens = call_tokens(op, comm, nb if use_bytes else None)
+        again = find_period(
+            tokens, num_tokens, threshold=self.config.threshold,
+            tolerance=self.config.tolerance, max_period=self.config.max_period,
+        )
+        return changed if again == p else None
 
     def _emit(self, times: list, avail: list, starts: list, n: int) -> bool:
         """Report the iterations of the lock whose times are known from calls [0, n);
@@ -1064,7 +1104,9 @@ class IterationClock:
             if self._bad_run:
                 keep = min(keep, self._bad_from)
             if self._check - self._seg.start_call <= self.config.verify_calls:
-                keep = min(keep, self._seg.start_call)  # a check of the lock may come
+                # A check of the lock may come, and one that disproves it searches
+                # from the origin (within the window) for the period instead.
+                keep = min(keep, self._seg.start_call, max(self._origin, self._n - self.config.window))
         else:
             keep = max(self._origin, self._n - self.config.window)
             if self._cand is not None:
