@@ -249,6 +249,26 @@ def test_a_failed_pause_gives_an_unvalidated_verdict(job):
     assert v["validated"] is False and v["kind"] == "compute" and v["why"].endswith("not validated")
 
 
+def test_a_pause_that_could_not_be_placed_profiles_again_until_its_retries_run_out(job):
+    # After an S2 split change a rank's tracker re-locks for a few seconds: no rank was
+    # held and nothing was tested, so the verdict waits for a round that can be placed.
+    run_dir, client = job
+    master = _profiled(job, config=MasterConfig(profile_polls=1, placement_retries=2))
+    unplaced = {"paused": False, "held_nobody": True,
+                "why": "the trackers of ranks [3] cannot place the pause iteration (no period locked yet)"}
+    for _ in range(2):
+        assert master.take_request() is not None
+        master.complete_validation(unplaced)
+        assert master.state == "profiling" and master.episode.verdict is None
+        master.step()                                # suspects again -> another round
+    assert master.take_request() is not None
+    master.complete_validation(unplaced)             # the retries are spent
+    v = master.episode.verdict
+    assert (v["kind"], v["ranks"], v["validated"]) == ("compute", [5], False)
+    retried = [e for e in read_events(run_dir) if e.get("next", "").startswith("the pause could not be placed")]
+    assert len(retried) == 2 and client.hget(store.PAUSES, "count") is None
+
+
 def test_a_confirmed_link_suspect_is_narrowed_to_the_node_its_slow_links_share():
     # The slow group joins n2 and n3; the P2P tests find n2-n3 and n3-n4 slow: n3.
     from greyhound.control.master import _Episode, _verdict

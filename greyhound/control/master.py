@@ -3,6 +3,7 @@
     tracking --(ranks' trackers report a sustained slowdown)--> profiling
     profiling --(suspects stable for a few polls)--> validating --> verdict, tracking
     validating --(no suspect confirmed, a round left)--> profiling
+    validating --(the pause could not be placed, a retry left)--> profiling
     profiling/validating --(the slowdown ended meanwhile)--> tracking ("back_to_tracking")
     a verdict's slowdown ends --> "recovered"
     an "unknown" verdict's slowdown lasts --(after a hold-off, doubled each time)--> profiling ("reexamining")
@@ -53,6 +54,10 @@ class MasterConfig:
     """Validation rounds an episode may take: when one confirms none of the suspects
     (profiling caught a rank that waits on the straggler, not the straggler), profiling
     starts over once more before the verdict says "unknown"."""
+    placement_retries: int = 6
+    """Validation rounds of an episode that may find the pause unplaceable (a rank's
+    tracker re-locking on a new micro-batch split: its step is unknown for a few
+    seconds) and profile again instead of giving a verdict without validation."""
     recheck_s: float = 10.0
     """A slowdown validation pinned on nobody is examined again when it lasts this long
     after the verdict, then twice as long after each further "unknown": a fail-slow that
@@ -64,6 +69,8 @@ class MasterConfig:
             raise ValueError(f"slow_rank_fraction={self.slow_rank_fraction} must be in (0, 1]")
         if self.profile_polls < 1:
             raise ValueError(f"profile_polls={self.profile_polls} must be >= 1")
+        if self.placement_retries < 0:
+            raise ValueError(f"placement_retries={self.placement_retries} must be >= 0")
         if self.validation_rounds < 1:
             raise ValueError(f"validation_rounds={self.validation_rounds} must be >= 1")
         if not self.recheck_s > 0:
@@ -81,6 +88,8 @@ class _Episode:
     polls: int = 0
     rounds: int = 0
     """Validation rounds taken."""
+    unplaced: int = 0
+    """Rounds that held nobody: the pause could not be placed."""
     unknowns: int = 0
     """Verdicts that named nobody."""
     verdict_at: float = 0.0
@@ -231,6 +240,13 @@ class Master:
         if ep is None:
             return
         results = None
+        if outcome is not None and outcome.get("held_nobody") and ep.unplaced < self.config.placement_retries:
+            # Nothing was tested and the job lost nothing: try again once the ranks'
+            # trackers can place the pause.
+            ep.unplaced += 1
+            self._event("validated", **outcome, next="the pause could not be placed: profiling again")
+            self._profile_again(ep)
+            return
         ep.rounds += 1
         if outcome is not None and outcome.get("paused"):
             self.client.hincrby(store.PAUSES, "count", 1)

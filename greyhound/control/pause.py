@@ -79,12 +79,13 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat, s
             plan = {"error": str(exc)}
     plan = comm.bcast(plan, root=0)
     if "error" in plan:
-        return {"paused": False, "why": plan["error"]} if root else None
+        return {"paused": False, "held_nobody": True, "why": plan["error"]} if root else None
     targets = {rank: _target(proc, here[rank], plan) for rank, proc in local.items()}
     unplaced = sorted(r for cs in comm.allgather([r for r, t in targets.items() if t is None]) for r in cs)
     if unplaced:
-        return {"paused": False, "why": f"the trackers of ranks {unplaced} cannot place the pause iteration "
-                                        "(no period locked yet)"} if root else None
+        return {"paused": False, "held_nobody": True,
+                "why": f"the trackers of ranks {unplaced} cannot place the pause iteration "
+                       "(no period locked yet)"} if root else None
     for rank, proc in local.items():
         proc.reader.pause(at_call=targets[rank])
     t_pause = time.time()
