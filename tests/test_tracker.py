@@ -248,6 +248,41 @@ def test_a_short_micro_batch_re_split_ends_the_lock_where_it_began_and_keeps_the
     assert np.median(measured[120:173]) == pytest.approx(1.0, rel=0.03)
 
 
+@pytest.mark.parametrize("split", [13, 4])
+def test_a_re_split_to_more_or_fewer_micro_batches_and_back_is_locked_each_time(split):
+    # A stage's calls are a few tokens: with 13 micro-batches (55 calls) 90% of them
+    # still equal the call 35 earlier, and a lock that waited for fewer than half to
+    # match never let go of 35.
+    parts = [call_trace(np.random.default_rng(seed), num_iterations=n, tp=1, pp=2, microbatches=mb, layers=1,
+                        warmup_calls=warmup)
+             for seed, (n, mb, warmup) in enumerate([(150, 8, 20), (60, split, 0), (100, 8, 0)])]
+    periods = [truth.calls_per_iteration for _, truth in parts]
+    op, comm, nbytes = (np.concatenate([getattr(trace, f) for trace, _ in parts]) for f in ("op", "comm", "nbytes"))
+    t = np.concatenate([trace.time + 1000.0 * k for k, (trace, _) in enumerate(parts)])
+    clock = IterationClock()
+    for lo in range(0, len(op), 400):
+        clock.feed(op[lo : lo + 400], comm[lo : lo + 400], nbytes[lo : lo + 400], t[lo : lo + 400])
+    assert [s.period for s in clock.segments] == periods
+    assert [s.first_iteration for s in clock.segments] == [0, 149, 209]
+
+
+def test_a_pattern_that_shrinks_to_a_divisor_of_the_period_is_locked_again():
+    # Stage 0 of the reference job: 8 micro-batches are 8 sends, 8 receives, the
+    # gradient all-reduce and the plan broadcast (18 calls); an S2 split of 2 leaves 6,
+    # and every call still equals the one 18 later.
+    def steps(microbatches, count):
+        one = [1] * microbatches + [2] * microbatches + [3, 4]
+        return np.array(one * count)
+    op = np.concatenate((steps(8, 150), steps(2, 200)))
+    comm = np.where(op == 3, 7, 9)
+    t = np.cumsum(np.full(len(op), 1e-3))
+    clock = IterationClock()
+    for lo in range(0, len(op), 500):
+        clock.feed(op[lo : lo + 500], comm[lo : lo + 500], np.zeros(len(op[lo : lo + 500]), dtype=np.int64),
+                   t[lo : lo + 500])
+    assert [(s.period, s.first_iteration) for s in clock.segments] == [(18, 0), (6, 149)]
+
+
 def test_a_motif_inside_the_iteration_is_not_locked():
     # 128 identical TP AllReduces forward, 128 backward (other bytes), then DP calls.
     pattern = [(1, 1, 4), ] * 128 + [(1, 1, 8)] * 128 + [(2, 2, 64), (3, 2, 64), (1, 3, 8)]

@@ -399,9 +399,13 @@ class ClockConfig:
     :meth:`IterationClock._measure_backward`)."""
     relock_blocks: int = 8
     """Consecutive iterations in which fewer than ``relock_match`` of the calls equal
-    the call one period later end the lock (the pattern changed)."""
-    relock_match: float = 0.5
-    """See ``relock_blocks``."""
+    the call one period later, or that repeat whole at a divisor of the period, end the
+    lock (the pattern changed)."""
+    relock_match: float = 0.95
+    """See ``relock_blocks``. A pipeline stage's calls are a few tokens (its sends and
+    receives, sizes varying): after an S2 re-split of its micro-batches the old period
+    still matched 59-94% of the new pattern's calls on the local cluster, and a lock
+    at 0.5 stayed on the old period for the rest of the job."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold <= 1.0:
@@ -994,9 +998,16 @@ class IterationClock:
         count = (n - e0 - 2 * p) // p + 1 if n - e0 >= 2 * p else 0
         if count > 0:
             frac = self._same(e0, e0 + count * p, p, use_bytes).reshape(count, p).mean(axis=1)
+            bad = frac < self.config.relock_match
+            for q in _prime_factors(p):
+                # The iteration repeats at p / q too: the pattern shrank to a divisor of
+                # the period (an S2 split of 8 micro-batches down to 2: 18 calls a step,
+                # then 6, and every call still equals the one 18 later).
+                d = p // q
+                bad |= self._same(e0, e0 + count * p, d, use_bytes).reshape(count, p).all(axis=1)
             done = count
             for r in range(count):
-                if frac[r] < self.config.relock_match:
+                if bad[r]:
                     if self._bad_run == 0:
                         self._bad_from = e0 + r * p
                     self._bad_run += 1
@@ -1115,6 +1126,18 @@ class IterationClock:
         if keep - self._lo > max(1024, (self._n - self._lo) // 2):
             self._buf = [c[keep - self._lo :].copy() for c in self._buf]
             self._lo = keep
+
+
+def _prime_factors(n: int) -> list[int]:
+    """The distinct primes that divide n (n >= 1)."""
+    out, k = [], 2
+    while k * k <= n:
+        if n % k == 0:
+            out.append(k)
+            while n % k == 0:
+                n //= k
+        k += 1
+    return out + ([n] if n > 1 else [])
 
 
 def _residual(x: np.ndarray, width: int = 9) -> np.ndarray:
