@@ -999,12 +999,11 @@ class IterationClock:
         if count > 0:
             frac = self._same(e0, e0 + count * p, p, use_bytes).reshape(count, p).mean(axis=1)
             bad = frac < self.config.relock_match
-            for q in _prime_factors(p):
-                # The iteration repeats at p / q too: the pattern shrank to a divisor of
-                # the period (an S2 split of 8 micro-batches down to 2: 18 calls a step,
-                # then 6, and every call still equals the one 18 later).
-                d = p // q
-                bad |= self._same(e0, e0 + count * p, d, use_bytes).reshape(count, p).all(axis=1)
+            for prime in _prime_factors(p):
+                # The iteration repeats at p / prime too: the pattern shrank to a divisor
+                # of the period (an S2 split of 8 micro-batches down to 2: 18 calls a
+                # step, then 6, and every call still equals the one 18 later).
+                bad |= self._same(e0, e0 + count * p, p // prime, use_bytes).reshape(count, p).all(axis=1)
             done = count
             for r in range(count):
                 if bad[r]:
