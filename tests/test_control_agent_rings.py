@@ -88,3 +88,23 @@ def test_a_rank_is_cut_at_its_gradient_sync_and_counts_steps_by_it(tmp_path):
     # A step now: the broadcast, 4 sends with their receives, the all-reduce.
     assert clock.step_calls == 1 + 4 * 2 + 1
     agent.close()
+
+
+def test_a_rank_whose_tracker_has_no_lock_is_cut_by_its_last_calls(tmp_path):
+    # 46 steps: 30 of 6 calls (too few to lock), then 16 of 10. A tracker re-locking
+    # after a split change is in the same state; the pause is placed by step count.
+    proc = run([PYTHON, "-c", STAGE_STEPS, "46"], base_env(tmp_path, hook_lib(), PMI_RANK="0", SLURMD_NODENAME="n7"))
+    assert proc.returncode == 0, proc.stderr
+    agent = NodeAgent(tmp_path, "n7")
+    agent.discover()
+    agent.poll()
+    (rank,) = agent.processes.values()
+    assert not rank.tracker.locked
+    clock = agent.clock(rank)
+    assert clock is not None
+    assert (clock.iteration, clock.cut_step, clock.step_calls) == (-1, 45, 10)
+    assert clock.cut_call == 30 * 6 + 16 * 10          # the last all-reduce
+    (cut,) = rank.tracker.arrivals(last_calls=1)
+    assert OP_NAMES[int(cut["op"])] == "AllReduce" and int(cut["call_number"]) == clock.cut_call
+    assert 0.004 <= clock.iteration_s < 0.1
+    agent.close()

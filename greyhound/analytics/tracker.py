@@ -384,16 +384,19 @@ class RankTracker:
                     rows["seconds"][row] = (int(rec["t_end_ns"]) - int(rec["t_start_ns"])) * 1e-9
                     rows["device"][row] = True
 
-    def arrivals(self, first_iteration: int | None = None, last_iteration: int | None = None) -> np.ndarray:
+    def arrivals(self, first_iteration: int | None = None, last_iteration: int | None = None, *,
+                 last_calls: int | None = None) -> np.ndarray:
         """The kept calls, one row each (:data:`ARRIVAL_DTYPE`), of iterations in
         [first_iteration, last_iteration] (default: all kept, warm-up included with
-        iteration -1).
+        iteration -1), or the last ``last_calls`` of them.
 
         ``call_number`` is the hook's call number (see ``RingReader.calls``): exact
         while no record was lost; after a loss it lags by the calls among the lost
         records (at most :attr:`lost_records`).
         """
         calls = self._table.rows
+        if last_calls is not None:
+            calls = calls[max(0, len(calls) - last_calls):]
         start = None if first_iteration is None else self._clock.iteration_start_call(first_iteration)
         if start is not None:
             # Calls are numbered consecutively: the iterations asked for begin at row

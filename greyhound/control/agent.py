@@ -118,6 +118,9 @@ _IS_BLOCKING = op_mask(CALL_OPS | {OP["Wait"]})
 _IS_COLLECTIVE = op_mask(COLLECTIVE_OPS)
 CLOCK_ITERATIONS = 3
 """Iterations a rank's clock reads back: its last two step ends at least."""
+CLOCK_CALLS = 4096
+"""Calls a rank's clock reads back while its tracker has no lock: several steps of a
+pipeline stage with many micro-batches."""
 
 
 def _sync_comm(collective: np.ndarray) -> int:
@@ -138,6 +141,34 @@ def blocked_seconds(records: np.ndarray) -> float:
     if not len(inside):
         return 0.0
     return float((inside["t_end_ns"].astype(np.int64) - inside["t_start_ns"].astype(np.int64)).clip(min=0).sum()) / 1e9
+
+
+def _unlocked_clock(proc: _Process) -> RankClock | None:
+    """A rank's clock from its last ``CLOCK_CALLS`` calls, without its tracker's
+    iterations: after an S2 split change the tracker re-locks for up to 16 steps, and
+    a validation round then could not place the pause. The step's syncs are the runs of
+    consecutive collectives on the sync communicator (the first run and the last may
+    be cut by the window or in progress), the step time the time between the last
+    step ends. Placed by step count only (``iteration`` is -1: no time path)."""
+    rows = proc.tracker.arrivals(last_calls=CLOCK_CALLS)
+    collective = rows[_IS_COLLECTIVE[rows["op"]]]
+    if not len(collective):
+        return None
+    sync = collective[collective["comm_id"] == _sync_comm(collective)]
+    breaks = np.flatnonzero(np.diff(sync["call_number"]) != 1) + 1
+    runs = np.diff(np.concatenate(([0], breaks, [len(sync)])))[1:-1]
+    if len(runs) < 2:
+        return None
+    per_step = max(1, int(np.median(runs)))
+    ends = sync[sync["comm_ordinal"] % per_step == per_step - 1]
+    if len(ends) < 3 or int(ends["comm_ordinal"][-1] - ends["comm_ordinal"][-2]) != per_step:
+        return None
+    cut, before = ends[-1], ends[-2]
+    info = proc.reader.info
+    return RankClock(
+        rank=info.rank, iteration=-1, iteration_s=float(np.median(np.diff(ends["t_end_ns"][-4:]))) * 1e-9,
+        started_s=float(info.unix_seconds(int(cut["t_end_ns"]))), cut_step=int(cut["comm_ordinal"]) // per_step,
+        cut_call=int(cut["call_number"]), step_calls=int(cut["call_number"] - before["call_number"]))
 
 
 def recent_median(times: np.ndarray) -> float:
@@ -275,11 +306,14 @@ class NodeAgent:
         """Where the rank stands (for the consistent pause): its last step's gradient
         sync (the cut point: its time, position, call number and the steps done by
         then), the calls of its last step, and its iteration time; None until the
-        tracker has locked on."""
+        tracker has locked on, or (re-locking after a split change) its last step's
+        sync and step length from its last calls alone (:func:`_unlocked_clock`)."""
         tracker = proc.tracker
         n = tracker.num_iterations
-        if not tracker.locked or n < 2 or proc.reader.info.rank < 0:
+        if proc.reader.info.rank < 0:
             return None
+        if not tracker.locked or n < 2:
+            return _unlocked_clock(proc)
         rows = tracker.arrivals(max(0, n - CLOCK_ITERATIONS), n - 1)
         last = rows[rows["iteration"] == n - 1]
         if not len(last):

@@ -132,7 +132,7 @@ def _target(proc: _Process, clock: validate.RankClock | None, plan: dict) -> int
     if "steps" in plan:
         steps = plan["steps"].get(clock.rank)
         return None if steps is None else clock.cut_call + steps * clock.step_calls + 1
-    iteration = plan["iterations"].get(clock.rank)
+    iteration = plan["iterations"].get(clock.rank) if clock.iteration >= 0 else None
     start = None if iteration is None else proc.tracker.call_number_of_iteration(iteration)
     return None if start is None else start + clock.cut_position + 1
 
