@@ -2,6 +2,7 @@
 (greyhound.analytics.period.IterationClock)."""
 
 import json
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -281,6 +282,29 @@ def test_a_pattern_that_shrinks_to_a_divisor_of_the_period_is_locked_again():
         clock.feed(op[lo : lo + 500], comm[lo : lo + 500], np.zeros(len(op[lo : lo + 500]), dtype=np.int64),
                    t[lo : lo + 500])
     assert [(s.period, s.first_iteration) for s in clock.segments] == [(18, 0), (6, 149)]
+
+
+def test_a_rank_moved_by_s2_and_s3_is_tracked_through_both_in_bounded_time():
+    # Real records (tests/assets/reference_job/README.md): the lock found after S3's
+    # move matched its own first calls below the re-lock bar, and was ended there and
+    # found there again, without end.
+    path = Path(__file__).parent / "assets" / "reference_job" / "rank2_s2_then_s3_ring.npz"
+    records = np.load(path)["records"]
+    tracker = RankTracker(rank=2)
+
+    def give_up(signum, frame):
+        raise TimeoutError("the tracker did not return from a poll within 60 s")
+
+    previous = signal.signal(signal.SIGALRM, give_up)
+    signal.alarm(60)
+    try:
+        for lo in range(0, len(records), 150):
+            tracker.feed(records[lo : lo + 150])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert [lock.period for lock in tracker.locks] == [34, 54, 8]
+    assert tracker.num_iterations >= 320
 
 
 def test_a_motif_inside_the_iteration_is_not_locked():

@@ -544,6 +544,7 @@ class IterationClock:
         self._next_start = 0
         self._eval_start = 0
         self._bad_run = 0
+        self._held = False
         self._bad_from = 0
         self.last_period: int | None = None
         self.first_start = 0
@@ -896,6 +897,7 @@ class IterationClock:
         self._next_start = seg.start_call
         self._eval_start = seg.start_call
         self._bad_run = 0
+        self._held = False
 
     def _verify_due(self) -> int | None:
         """The scheduled search's call count if it is due (fed) while the lock is young
@@ -1006,7 +1008,12 @@ class IterationClock:
                 bad |= self._same(e0, e0 + count * p, p // prime, use_bytes).reshape(count, p).all(axis=1)
             done = count
             for r in range(count):
-                if bad[r]:
+                # Evidence counts once the lock has held for an iteration: a period the
+                # search found on calls that match it 90-95% (or that repeat at a divisor
+                # too) would otherwise end at its own first call, and be found and ended
+                # there again forever (an agent spun on one rank's calls).
+                self._held = self._held or not bad[r]
+                if bad[r] and self._held:
                     if self._bad_run == 0:
                         self._bad_from = e0 + r * p
                     self._bad_run += 1
