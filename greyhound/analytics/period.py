@@ -514,9 +514,14 @@ class IterationClock:
     neighbours, and a 3-iteration disturbance look like 4.)
 
     Re-locking, only on evidence: when ``relock_blocks`` consecutive iterations have
-    fewer than ``relock_match`` of their calls equal to the call one period later
-    (the pattern changed: a new parallel layout, a re-split of micro-batches), the
-    lock ends at the first of them, and the search starts again from there. The
+    fewer than ``relock_match`` of their calls equal to the call one period later, or
+    repeat whole at a divisor of the period (the pattern changed: a new parallel
+    layout, a re-split of micro-batches), the lock ends at the first of them, and the
+    search starts again from there. Such evidence counts only after the lock has held
+    for one iteration (else a lock could end at its own first call, and be found there
+    again). A young lock's check that finds another period, on calls whose pattern held
+    and then changed, ends the lock where the change began, as the evidence would
+    (:meth:`_changed_at`); only a lock that never held is withdrawn whole. The
     iteration numbers go on from the last one reported.
 
     All of it depends only on the calls, not on how they were split into batches.
