@@ -15,7 +15,14 @@ import pytest
 from greyhound.control import store
 from greyhound.control.events import read_events
 from greyhound.control.redis_server import start_redis, stop_redis
-from greyhound.mitigate.planner import Planner, PlannerConfig, recovered, replica_seconds, slow_loss
+from greyhound.mitigate.planner import (
+    Planner,
+    PlannerConfig,
+    healthy_work_s,
+    recovered,
+    replica_seconds,
+    slow_loss,
+)
 from greyhound.mitigate.training import Mitigation
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
@@ -83,6 +90,51 @@ def test_a_validated_compute_straggler_gets_the_exact_split_and_the_job_its_own_
     plan = json.loads(client.get(store.PLAN))
     assert (plan["version"], plan["microbatch_split"], plan["level"]) == (2, [8, 8], "S1")
     assert [e["kind"] for e in read_events(run_dir)] == ["mitigation", "mitigation_ended"]
+
+
+def test_a_stages_healthy_work_at_a_split_is_read_off_a_healthy_peers_line():
+    # GPU-bound: all of it per micro-batch; the peer's 8 -> 12 gives the line.
+    assert healthy_work_s(peer_base_s=0.08, peer_now_s=0.12, peer_before=8, peer_now=12,
+                          microbatches=4) == pytest.approx(0.04)
+    # The CPU reference job on the local cluster: the peer did 0.133 s at 8 and 0.12 s
+    # at 13 (noise, per-step work dominating): flat, the straggler at 3 expects 0.12 s.
+    assert healthy_work_s(peer_base_s=0.133, peer_now_s=0.12, peer_before=8, peer_now=13,
+                          microbatches=3) == pytest.approx(0.12)
+    assert healthy_work_s(peer_base_s=0.1, peer_now_s=0.1, peer_before=8, peer_now=8, microbatches=2) == 0.1
+
+
+def test_a_straggler_that_recovered_before_the_plan_settled_gets_the_job_its_own_split_back(job):
+    # Run 650 on the local cluster: S2 split 13,3 about 6 s before rank 5's quota
+    # ended; 20 s later its settled work was already healthy (0.065 s), no drop could
+    # follow, and 13,3 stayed to the end of the job (1.26x slower than 8,8).
+    run_dir, client = job
+    planner = Planner(client, run_dir, config=PlannerConfig(settle_polls=2, end_polls=3))
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    slow = {r: 0.133 for r in range(8)} | {5: 0.862}
+    planner.on_verdict(VERDICT, _ranks(slow, base=0.133))
+    split = json.loads(client.get(store.PLAN))["microbatch_split"]
+    client.set(store.TRAINING_APPLIED, json.dumps({"version": 1, "step": 65, "microbatch_split": split}))
+    under_plan = {r: 0.12 for r in range(8)}
+    for _ in range(2):                                       # settling, the fail-slow on
+        planner.poll(_ranks(under_plan | {5: 0.862}, base=0.133))
+    for _ in range(2):                                       # it ends: settled is healthy
+        planner.poll(_ranks(under_plan | {5: 0.065}, base=0.133))
+    assert planner.work[5]["settled"] == 0.065 and json.loads(client.get(store.PLAN))["version"] == 1
+    planner.poll(_ranks(under_plan | {5: 0.065}, base=0.133))
+    plan = json.loads(client.get(store.PLAN))
+    assert (plan["version"], plan["microbatch_split"]) == (2, [8, 8])
+
+
+def test_a_straggler_still_slow_under_the_plan_keeps_it_against_its_peers_line(job):
+    run_dir, client = job
+    planner = Planner(client, run_dir, config=PlannerConfig(settle_polls=1, end_polls=2))
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    planner.on_verdict(VERDICT, _ranks({r: 0.133 for r in range(8)} | {5: 0.862}, base=0.133))
+    split = json.loads(client.get(store.PLAN))["microbatch_split"]
+    client.set(store.TRAINING_APPLIED, json.dumps({"version": 1, "step": 65, "microbatch_split": split}))
+    for _ in range(8):   # 1.5x what its peer's line gives at its micro-batches: still slow
+        planner.poll(_ranks({r: 0.12 for r in range(8)} | {5: 0.18}, base=0.133))
+    assert json.loads(client.get(store.PLAN))["version"] == 1
 
 
 def test_a_straggler_without_a_figure_from_before_is_taken_at_the_jobs_slowdown(job):
