@@ -110,7 +110,9 @@ def test_a_straggler_that_recovered_before_the_plan_settled_gets_the_job_its_own
     run_dir, client = job
     planner = Planner(client, run_dir, config=PlannerConfig(settle_polls=2, end_polls=3))
     client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
-    slow = {r: 0.133 for r in range(8)} | {5: 0.862}
+    # As the master hands them over, read around the validation pause: the other ranks'
+    # recent figures are missing; their baselines are not.
+    slow = {r: "" for r in range(8)} | {5: 0.862}
     planner.on_verdict(VERDICT, _ranks(slow, base=0.133))
     split = json.loads(client.get(store.PLAN))["microbatch_split"]
     client.set(store.TRAINING_APPLIED, json.dumps({"version": 1, "step": 65, "microbatch_split": split}))

@@ -183,8 +183,8 @@ class Planner:
         ``base`` work per iteration and micro-batches ``before`` the plan."""
 
     def _peers_before(self, layout: dict, ranks: dict) -> None:
-        """Each straggler's healthy peers as the plan is made: their work now and their
-        replica's micro-batches, the line :func:`healthy_work_s` is drawn from."""
+        """Each straggler's healthy peers as the plan is made: their healthy work and
+        their replica's micro-batches, where the line of :func:`healthy_work_s` starts."""
         replicas = topology.pipelines(topology.placement_now(layout, self._applied()))
         split = self._applied().get("microbatch_split") or layout["microbatch_split"]
         self.peers = {}
@@ -197,10 +197,14 @@ class Planner:
                 peer = members[stage]
                 if peer in self.stragglers:
                     continue
+                # Its baseline (the 30 s before its last 5): the recent figure of a rank
+                # read around a validation pause was often 0 or missing.
                 try:
-                    peers[peer] = {"base": float(ranks[peer]["compute_s"]), "before": int(split[d]), "replica": d}
+                    base = float(ranks[peer]["compute_base_s"])
                 except (KeyError, TypeError, ValueError):
                     continue
+                if base > 0:
+                    peers[peer] = {"base": base, "before": int(split[d]), "replica": d}
             self.peers[rank] = peers
 
     def _back_to_healthy(self, rank: int, now_s: float, compute: dict[int, float]) -> bool:
