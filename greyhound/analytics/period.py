@@ -695,6 +695,29 @@ class IterationClock:
         assert self._buf is not None
         return [c[lo - self._lo : hi - self._lo] for c in self._buf]
 
+    def _tokens(self, lo: int, hi: int, use_bytes: bool) -> tuple[np.ndarray, int]:
+        """:func:`call_tokens` of the calls [lo, hi)."""
+        op, comm, nb, _ = self._cols(lo, hi)
+        return call_tokens(op, comm, nb if use_bytes else None)
+
+    def _find(self, tokens: np.ndarray, num_tokens: int) -> int | None:
+        """:func:`find_period` with this clock's settings."""
+        return find_period(
+            tokens, num_tokens, threshold=self.config.threshold,
+            tolerance=self.config.tolerance, max_period=self.config.max_period,
+        )
+
+    def _holds(self, period: int, lo: int, hi: int, use_bytes: bool) -> bool:
+        """Whether the calls [lo, hi) alone have ``period``: a period search on them
+        finds it; for one call per iteration, they are the same call every time."""
+        tokens, num_tokens = self._tokens(lo, hi, use_bytes)
+        return num_tokens == 1 if period == 1 else self._find(tokens, num_tokens) == period
+
+    def _blocks(self, lo: int, count: int, period: int, lag: int, use_bytes: bool) -> np.ndarray:
+        """(count, period) bool: whether each call of the ``count`` iterations from
+        ``lo`` equals the call ``lag`` later."""
+        return self._same(lo, lo + count * period, lag, use_bytes).reshape(count, period)
+
     def _same(self, lo: int, hi: int, period: int, use_bytes: bool) -> np.ndarray:
         """same[i - lo] for lo <= i < hi: call i equals call i + period (hi + period <= n)."""
         op, comm, nb, _ = self._cols(lo, hi + period)
@@ -803,16 +826,8 @@ class IterationClock:
         max(confirm_calls, confirm_periods x period) of them, so a motif that ends
         within them is found out. One call per iteration (as for the candidate) is the
         same call every time: a burst of one call kind that ends is a motif."""
-        lo = max(self._confirm_from, hi - self.config.window)
-        op, comm, nb, _ = self._cols(lo, hi)
-        tokens, num_tokens = call_tokens(op, comm, nb if cand.tokens_use_bytes else None)
-        if cand.period == 1:
-            return num_tokens == 1
-        p = find_period(
-            tokens, num_tokens, threshold=self.config.threshold,
-            tolerance=self.config.tolerance, max_period=self.config.max_period,
-        )
-        return p == cand.period
+        return self._holds(cand.period, max(self._confirm_from, hi - self.config.window), hi,
+                           cand.tokens_use_bytes)
 
     def _measure_backward(self, seg: Segment, hi: int) -> bool:
         """Whether to measure iterations between their last calls instead of their
@@ -926,12 +941,8 @@ class IterationClock:
         assert seg is not None
         p, use_bytes = seg.period, seg.tokens_use_bytes
         lo = max(seg.start_call, c - self.config.window)
-        op, comm, nb, _ = self._cols(lo, c)
-        tokens, num_tokens = call_tokens(op, comm, nb if use_bytes else None)
-        found = find_period(
-            tokens, num_tokens, threshold=self.config.threshold,
-            tolerance=self.config.tolerance, max_period=self.config.max_period,
-        )
+        tokens, num_tokens = self._tokens(lo, c, use_bytes)
+        found = self._find(tokens, num_tokens)
         disproved = num_tokens > 1 if p == 1 else (found is not None and found != p)
         if not disproved:
             return
@@ -976,20 +987,14 @@ class IterationClock:
         count = (c - first) // p - 1
         if found is None or count < 1:
             return None
-        frac = self._same(first, first + count * p, p, use_bytes).reshape(count, p).mean(axis=1)
+        frac = self._blocks(first, count, p, p, use_bytes).mean(axis=1)
         bad = np.flatnonzero(frac < self.config.min_match)
         if not len(bad):
             return None
         changed = first + int(bad[0]) * p
         if changed - seg.start_call <= found:
             return None
-        op, comm, nb, _ = self._cols(max(lo, changed - self.config.window), changed)
-        tokens, num_tokens = call_tokens(op, comm, nb if use_bytes else None)
-        again = find_period(
-            tokens, num_tokens, threshold=self.config.threshold,
-            tolerance=self.config.tolerance, max_period=self.config.max_period,
-        )
-        return changed if again == p else None
+        return changed if self._holds(p, max(lo, changed - self.config.window), changed, use_bytes) else None
 
     def _emit(self, times: list, avail: list, starts: list, n: int) -> bool:
         """Report the iterations of the lock whose times are known from calls [0, n);
@@ -1004,13 +1009,12 @@ class IterationClock:
         e0 = self._eval_start
         count = (n - e0 - 2 * p) // p + 1 if n - e0 >= 2 * p else 0
         if count > 0:
-            frac = self._same(e0, e0 + count * p, p, use_bytes).reshape(count, p).mean(axis=1)
-            bad = frac < self.config.relock_match
+            bad = self._blocks(e0, count, p, p, use_bytes).mean(axis=1) < self.config.relock_match
             for prime in _prime_factors(p):
                 # The iteration repeats at p / prime too: the pattern shrank to a divisor
                 # of the period (an S2 split of 8 micro-batches down to 2: 18 calls a
                 # step, then 6, and every call still equals the one 18 later).
-                bad |= self._same(e0, e0 + count * p, p // prime, use_bytes).reshape(count, p).all(axis=1)
+                bad |= self._blocks(e0, count, p, p // prime, use_bytes).all(axis=1)
             done = count
             for r in range(count):
                 # Evidence counts once the lock has held for an iteration: a period the
