@@ -123,15 +123,26 @@ CLOCK_CALLS = 4096
 pipeline stage with many micro-batches."""
 
 
-def _sync_comm(collective: np.ndarray) -> int:
-    """The communicator of a step's gradient sync: the one whose collectives move the
-    most bytes (a plan broadcast or a loss all-reduce is small). Cutting every rank
-    right after its sync keeps them in step, wherever each tracker's iteration begins
-    within a step."""
+def _syncs(collective: np.ndarray) -> np.ndarray:
+    """The rows of a step's gradient sync: the collectives of the communicator whose
+    collectives move the most bytes (a plan broadcast or a loss all-reduce is small).
+    Cutting every rank right after its sync keeps them in step, wherever each
+    tracker's iteration begins within a step."""
     comms, inverse = np.unique(collective["comm_id"], return_inverse=True)
     moved = np.bincount(inverse.reshape(-1), weights=collective["size_bytes"].astype(np.float64),
                         minlength=len(comms))
-    return int(comms[int(np.argmax(moved))])
+    return collective[collective["comm_id"] == comms[int(np.argmax(moved))]]
+
+
+def _step_ends(sync: np.ndarray, per_step: int) -> tuple[np.ndarray, int]:
+    """The syncs that end a step (the last of each step's ``per_step``), oldest first,
+    and the calls between the last of them and the one a step before (0: not kept)."""
+    ends = sync[sync["comm_ordinal"] % per_step == per_step - 1]
+    if not len(ends):
+        return ends, 0
+    cut = ends[-1]
+    before = ends[ends["comm_ordinal"] == cut["comm_ordinal"] - per_step]
+    return ends, int(cut["call_number"] - before["call_number"][0]) if len(before) else 0
 
 
 def blocked_seconds(records: np.ndarray) -> float:
@@ -154,21 +165,20 @@ def _unlocked_clock(proc: _Process) -> RankClock | None:
     collective = rows[_IS_COLLECTIVE[rows["op"]]]
     if not len(collective):
         return None
-    sync = collective[collective["comm_id"] == _sync_comm(collective)]
+    sync = _syncs(collective)
     breaks = np.flatnonzero(np.diff(sync["call_number"]) != 1) + 1
     runs = np.diff(np.concatenate(([0], breaks, [len(sync)])))[1:-1]
     if len(runs) < 2:
         return None
     per_step = max(1, int(np.median(runs)))
-    ends = sync[sync["comm_ordinal"] % per_step == per_step - 1]
-    if len(ends) < 3 or int(ends["comm_ordinal"][-1] - ends["comm_ordinal"][-2]) != per_step:
+    ends, step_calls = _step_ends(sync, per_step)
+    if len(ends) < 3 or not step_calls:
         return None
-    cut, before = ends[-1], ends[-2]
-    info = proc.reader.info
+    cut, info = ends[-1], proc.reader.info
     return RankClock(
         rank=info.rank, iteration=-1, iteration_s=float(np.median(np.diff(ends["t_end_ns"][-4:]))) * 1e-9,
         started_s=float(info.unix_seconds(int(cut["t_end_ns"]))), cut_step=int(cut["comm_ordinal"]) // per_step,
-        cut_call=int(cut["call_number"]), step_calls=int(cut["call_number"] - before["call_number"]))
+        cut_call=int(cut["call_number"]), step_calls=step_calls)
 
 
 def recent_median(times: np.ndarray) -> float:
@@ -324,23 +334,22 @@ class NodeAgent:
             first = last[np.argmin(last["position"])]
             return RankClock(rank=info.rank, iteration=n - 1, iteration_s=iteration_s,
                              started_s=float(info.unix_seconds(int(first["t_start_ns"]))))
-        sync = collective[collective["comm_id"] == _sync_comm(collective)]
+        sync = _syncs(collective)
         # The syncs of one step: those of the last iteration over the runs they come in
         # (a tracker that took two steps for one iteration sees two runs, one a step).
         in_last = sync["position"][sync["iteration"] == n - 1]
         per_step = max(1, len(in_last) // max(1, 1 + int(np.count_nonzero(np.diff(in_last) != 1))))
-        ends = sync[sync["comm_ordinal"] % per_step == per_step - 1]
+        ends, step_calls = _step_ends(sync, per_step)
         if not len(ends):
             return None
         cut = ends[-1]
-        before = ends[ends["comm_ordinal"] == cut["comm_ordinal"] - per_step]
         return RankClock(
             rank=info.rank, iteration=int(cut["iteration"]), iteration_s=iteration_s,
             # A collective ends at the same moment on all its members, however early each
             # entered it (a replica ahead waits inside): its end is the step's time.
             started_s=float(info.unix_seconds(int(cut["t_end_ns"]))), cut_position=int(cut["position"]),
             cut_step=int(cut["comm_ordinal"]) // per_step, cut_call=int(cut["call_number"]),
-            step_calls=int(cut["call_number"] - before["call_number"][0]) if len(before) else 0)
+            step_calls=step_calls)
 
     def publish(self, client) -> None:
         """Each rank's state, new iteration times and (every few polls) comm figures,
