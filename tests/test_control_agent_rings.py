@@ -67,13 +67,21 @@ for step in range(int(sys.argv[1])):
 """
 
 
-def test_a_rank_is_cut_at_its_gradient_sync_and_counts_steps_by_it(tmp_path):
-    proc = run([PYTHON, "-c", STAGE_STEPS, "60"], base_env(tmp_path, hook_lib(), PMI_RANK="0", SLURMD_NODENAME="n7"))
+def _stage(run_dir, steps: int):
+    """STAGE_STEPS run for ``steps`` steps on a real ring, polled once by an agent:
+    the agent and the rank's process."""
+    proc = run([PYTHON, "-c", STAGE_STEPS, str(steps)], base_env(run_dir, hook_lib(), PMI_RANK="0",
+                                                                  SLURMD_NODENAME="n7"))
     assert proc.returncode == 0, proc.stderr
-    agent = NodeAgent(tmp_path, "n7")
+    agent = NodeAgent(run_dir, "n7")
     agent.discover()
     agent.poll()
     (rank,) = agent.processes.values()
+    return agent, rank
+
+
+def test_a_rank_is_cut_at_its_gradient_sync_and_counts_steps_by_it(tmp_path):
+    agent, rank = _stage(tmp_path, 60)
     clock = agent.clock(rank)
     assert clock is not None, "the tracker did not lock on the steps"
     rows = rank.tracker.arrivals(clock.iteration, clock.iteration)
@@ -93,12 +101,7 @@ def test_a_rank_is_cut_at_its_gradient_sync_and_counts_steps_by_it(tmp_path):
 def test_a_rank_whose_tracker_has_no_lock_is_cut_by_its_last_calls(tmp_path):
     # 46 steps: 30 of 6 calls (too few to lock), then 16 of 10. A tracker re-locking
     # after a split change is in the same state; the pause is placed by step count.
-    proc = run([PYTHON, "-c", STAGE_STEPS, "46"], base_env(tmp_path, hook_lib(), PMI_RANK="0", SLURMD_NODENAME="n7"))
-    assert proc.returncode == 0, proc.stderr
-    agent = NodeAgent(tmp_path, "n7")
-    agent.discover()
-    agent.poll()
-    (rank,) = agent.processes.values()
+    agent, rank = _stage(tmp_path, 46)
     assert not rank.tracker.locked
     clock = agent.clock(rank)
     assert clock is not None
