@@ -178,20 +178,27 @@ class Planner:
         """The pause the job's last S3 move took (measured on the job)."""
         self._polls_applied = 0
         self._recovered_polls = 0
-        self.peers: dict[int, dict[int, dict]] = {}
-        """straggler -> its healthy peers (the same stage in other replicas) -> their
-        ``base`` work per iteration and micro-batches ``before`` the plan."""
+        self.peers: dict[int, dict] = {}
+        """straggler -> its ``replica`` and its healthy ``peers`` (the same stage in other
+        replicas) -> their ``replica``, ``base`` work per iteration and micro-batches
+        ``before`` the plan; as the plan was made."""
+
+    def _replicas(self, layout: dict, applied: dict) -> list[list[int]]:
+        """The ranks of each replica's stages under the placement in force."""
+        return topology.pipelines(topology.placement_now(layout, applied))
 
     def _peers_before(self, layout: dict, ranks: dict) -> None:
         """Each straggler's healthy peers as the plan is made: their healthy work and
         their replica's micro-batches, where the line of :func:`healthy_work_s` starts."""
-        replicas = topology.pipelines(topology.placement_now(layout, self._applied()))
-        split = self._applied().get("microbatch_split") or layout["microbatch_split"]
+        applied = self._applied()
+        replicas = self._replicas(layout, applied)
+        split = applied.get("microbatch_split") or layout["microbatch_split"]
         self.peers = {}
         for rank in self.stragglers:
-            stage = next((members.index(rank) for members in replicas if rank in members), None)
-            if stage is None:
+            mine = next((d for d, members in enumerate(replicas) if rank in members), None)
+            if mine is None:
                 continue
+            stage = replicas[mine].index(rank)
             peers = {}
             for d, members in enumerate(replicas):
                 peer = members[stage]
@@ -205,26 +212,21 @@ class Planner:
                     continue
                 if base > 0:
                     peers[peer] = {"base": base, "before": int(split[d]), "replica": d}
-            self.peers[rank] = peers
+            self.peers[rank] = {"replica": mine, "peers": peers}
 
-    def _back_to_healthy(self, rank: int, now_s: float, compute: dict[int, float]) -> bool:
+    def _back_to_healthy(self, rank: int, compute: dict[int, float], split: list | None) -> bool:
         """The straggler does what a healthy peer's line says a healthy rank does at its
-        micro-batches under the plan (within ``end_drop``). Unlike a drop from its settled
-        level, this holds when the fail-slow ended before the plan settled (the settled
-        level was then already healthy, and the plan stayed to the end of the job)."""
-        split = self._applied().get("microbatch_split")
-        peers = self.peers.get(rank) or {}
-        mine = next((d for d, members in enumerate(self._replicas()) if rank in members), None)
+        micro-batches under the plan's ``split`` (within ``end_drop``). Unlike a drop from
+        its settled level, this holds when the fail-slow ended before the plan settled
+        (the settled level was then already healthy, and the plan stayed to the end of
+        the job)."""
+        mine = self.peers.get(rank)
         if not split or mine is None:
             return False
         expected = [healthy_work_s(peer_base_s=p["base"], peer_now_s=compute[peer], peer_before=p["before"],
-                                   peer_now=int(split[p["replica"]]), microbatches=int(split[mine]))
-                    for peer, p in peers.items() if peer in compute]
-        return bool(expected) and now_s <= self.config.end_drop * float(np.median(expected))
-
-    def _replicas(self) -> list[list[int]]:
-        layout = self._layout()
-        return topology.pipelines(topology.placement_now(layout, self._applied())) if layout else []
+                                   peer_now=int(split[p["replica"]]), microbatches=int(split[mine["replica"]]))
+                    for peer, p in mine["peers"].items() if peer in compute]
+        return bool(expected) and compute[rank] <= self.config.end_drop * float(np.median(expected))
 
     def _layout(self) -> dict | None:
         raw = self.client.get(LAYOUT_KEY)
@@ -233,9 +235,6 @@ class Planner:
     def _applied(self) -> dict:
         raw = self.client.get(APPLIED_KEY)
         return json.loads(raw) if raw else {}
-
-    def _applied_version(self) -> int:
-        return int(self._applied().get("version", 0))
 
     def on_verdict(self, verdict: dict, ranks: dict) -> None:
         """A validated compute straggler (the verdict's lead or one beside it): S2;
@@ -282,7 +281,8 @@ class Planner:
             self._s3_poll(ranks)
         if self.s4 is not None and self.s3 is None:   # the ladder: S3 first where it can help
             self._s4_poll(ranks)
-        if not self.stragglers or self._applied_version() != self.version:
+        applied = self._applied()
+        if not self.stragglers or int(applied.get("version", 0)) != self.version:
             return
         self._polls_applied += 1
         if self._polls_applied <= self.config.settle_polls:
@@ -292,7 +292,8 @@ class Planner:
         for rank, work in watched.items():
             work.setdefault("settled", compute[rank])
         ended = bool(watched) and len(watched) == len(self.stragglers) and all(
-            recovered(compute[r], w["settled"], self.config.end_drop) or self._back_to_healthy(r, compute[r], compute)
+            recovered(compute[r], w["settled"], self.config.end_drop)
+            or self._back_to_healthy(r, compute, applied.get("microbatch_split"))
             for r, w in watched.items())
         self._recovered_polls = self._recovered_polls + 1 if ended else 0
         self.client.set(WATCH_KEY, json.dumps({"version": self.version, "recovered_polls": self._recovered_polls,
@@ -470,7 +471,7 @@ class Planner:
 
     def _publish(self, layout: dict, ranks: dict, *, why: str) -> None:
         default = list(layout["microbatch_split"])
-        replicas = topology.pipelines(topology.placement_now(layout, self._applied()))
+        replicas = self._replicas(layout, self._applied())
         times = replica_seconds(replicas, self.stragglers)
         plan = split_microbatches(times, total=sum(default))
         self.version += 1
