@@ -73,6 +73,8 @@ def test_a_slow_job_is_profiled_and_the_late_rank_named(job):
     assert master.state == "tracking"
     kinds = [e["kind"] for e in read_events(run_dir)]
     assert kinds == ["detected", "suspects", "verdict"]
+    # Slow since iteration 40, 60 iterations finished (0-59): found 19 past the onset.
+    assert read_events(run_dir)[0]["delay_iterations"] == 19
     assert verdicts[0]["kind"] == "compute" and verdicts[0]["ranks"] == [5] and verdicts[0]["nodes"] == ["n3"]
     assert verdicts[0]["since"] == 40 and verdicts[0]["severity"] == 1.5 and verdicts[0]["validated"] is False
     publish(client)                          # the slowdown ends

@@ -137,8 +137,12 @@ class Master:
                 # the median is the job's.
                 onset = int(np.median([int(s["slow_since"]) for s in slow.values()]))
                 slowdown = float(np.median([float(s.get("slowdown") or 1.0) for s in slow.values()]))
+                # Iterations each rank had finished past its own onset when it reported:
+                # the detector's delay (the plane's polls add up to a poll or two on top).
+                delay = int(np.median([int(s.get("iterations") or 0) - 1 - int(s["slow_since"])
+                                       for s in slow.values()]))
                 self.episode = _Episode(onset=onset, slowdown=slowdown, detected_s=time.time())
-                self._event("detected", onset_iteration=onset, slowdown=round(slowdown, 3),
+                self._event("detected", onset_iteration=onset, delay_iterations=delay, slowdown=round(slowdown, 3),
                             ranks=sorted(slow))
                 self._set("profiling")
             else:
