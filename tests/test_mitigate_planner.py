@@ -327,22 +327,45 @@ def test_a_link_under_the_dp_rings_gets_a_placement_that_puts_it_under_pipeline_
     assert json.loads(client.get(store.PLAN))["microbatch_split"] == [12, 4]
 
 
-def test_two_stragglers_in_different_stages_are_consolidated_into_one_stage(job):
+def _two_stragglers(job, second: int):
+    """A verdict naming rank 2 (replica 0's stage 2) and ``second``, both 3x slow, and
+    the planner's plans after it and after one more poll."""
     run_dir, client = job
     nodes = ["n1", "n1", "n2", "n2", "n3", "n3", "n4", "n4"]
     client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
     _board(client, nodes)
-    ranks = {r: {**state, "node": nodes[r]} for r, state in _ranks({2: 0.15, 5: 0.15}).items()}
-    # Rank 2 runs replica 0's stage 2, rank 5 replica 1's stage 1: both 3x slower.
+    ranks = {r: {**state, "node": nodes[r]} for r, state in _ranks({2: 0.15, second: 0.15}).items()}
     verdict = {**VERDICT, "ranks": [2], "nodes": ["n2"], "where": "rank 2 on n2", "link_bandwidth_Bps": 1e8,
-               "also": [{"kind": "compute", "ranks": [5], "nodes": ["n3"], "strength": 8.0}]}
+               "also": [{"kind": "compute", "ranks": [second], "nodes": [nodes[second]], "strength": 8.0}]}
     planner = Planner(client, run_dir)
     planner.on_verdict(verdict, ranks)
-    assert json.loads(client.get(store.PLAN))["level"] == "S2"        # the cheaper rung first
-    planner.poll(ranks)
-    plan = json.loads(client.get(store.PLAN))
+    first = json.loads(client.get(store.PLAN))
+    planner.poll(ranks)                       # lost 5 s: more than a rebuild's two steps
+    return first, json.loads(client.get(store.PLAN)), read_events(run_dir)
+
+
+def test_two_stragglers_in_two_replicas_are_gathered_into_one_and_s2_unloads_it(job):
+    # Rank 5 runs replica 1's stage 1: both replicas 3x slow, so S2 alone cannot help.
+    first, plan, events = _two_stragglers(job, 5)
+    assert (first["level"], first["microbatch_split"]) == ("S2", [8, 8])
     assert (plan["version"], plan["level"]) == (2, "S3")
-    stage = {rank: cell[1] for rank, cell in enumerate(plan["placement"])}
-    assert stage[2] == stage[5] and stage[2] in (1, 2)              # one stage, an inner one
-    event = read_events(run_dir)[-1]
-    assert (event["kind"], event["level"]) == ("mitigation", "S3") and "rank 2" in event["why"]
+    cells = plan["placement"]
+    # Rank 5 takes rank 1's cell (replica 0, stage 1) and rank 1 its: each keeps its
+    # stage (nothing to send), and replica 1 is clean.
+    assert cells[2] == [0, 2] and cells[5] == [0, 1] and cells[1] == [1, 1]
+    assert all(cells[r] == [r // 4, r % 4] for r in (0, 3, 4, 6, 7))
+    # S2 over the gathered replicas: 4 x 3 = 12 x 1 (even: 8 x 3 = 24).
+    assert plan["microbatch_split"] == [4, 12]
+    event = events[-1]
+    assert (event["kind"], event["level"], event["moves"], event["modelled_makespan_microbatches"]) == \
+        ("mitigation", "S3", [], [24.0, 12.0])
+    assert "rank 2" in event["why"] and "rank 5" in event["why"]
+
+
+def test_two_stragglers_already_in_one_replica_stay_there(job):
+    # Ranks 1 and 2 both run replica 0: S2 unloads it, and spreading them (the old
+    # "one stage" consolidation) would slow replica 1 too.
+    first, plan, events = _two_stragglers(job, 1)
+    assert (first["level"], first["microbatch_split"]) == ("S2", [4, 12]) and plan == first
+    skipped = [e for e in events if e["kind"] == "mitigation_skipped"]
+    assert skipped and skipped[0]["level"] == "S3" and "no gathering" in skipped[0]["why"]

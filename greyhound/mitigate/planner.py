@@ -59,6 +59,7 @@ import numpy as np
 from greyhound.control import store
 from greyhound.control.events import append_event
 from greyhound.mitigate import topology
+from greyhound.mitigate.gather import gather_stragglers
 from greyhound.mitigate.microbatch import makespan, split_microbatches
 from greyhound.mitigate.placement import plan_placement
 from greyhound.control.store import MITIGATION_WATCH as WATCH_KEY
@@ -267,10 +268,9 @@ class Planner:
                 self.work.pop(rank, None)      # no figures: the plan stays until the job ends
         self._peers_before(layout, ranks)
         self._publish(layout, ranks, why=f"compute straggler(s) {_ranks_text(self.stragglers)}")
-        bandwidth = verdict.get("link_bandwidth_Bps")
-        if len(self.stragglers) > 1 and bandwidth:     # S3's consolidation, the next rung
-            self._s3_candidate(layout, ranks, bandwidth=float(bandwidth), stragglers=dict(self.stragglers),
-                               why=f"compute stragglers {_ranks_text(self.stragglers)} in several stages")
+        if len(self.stragglers) > 1:     # S3: gather them into fewer replicas, the next rung
+            self._s3_gather(layout, ranks, why=f"compute stragglers {_ranks_text(self.stragglers)} "
+                                               "in several replicas")
 
     def poll(self, ranks: dict) -> None:
         """Every poll: the job's start-up time; S4's ski-rental; while an S2 plan is in
@@ -368,6 +368,26 @@ class Planner:
         self.s3 = {"plan": plan, "why": why, "cost_s": round(cost_s, 3), "polls": 0,
                    "cost_is": "measured" if self.relaid_s is not None else "estimated"}
 
+    def _s3_gather(self, layout: dict, ranks: dict, *, why: str) -> None:
+        """The DP-rank exchanges that gather the stragglers into the fewest replicas, and
+        S2's split for them (gather.py); the candidate waits for its cost in loss."""
+        if self.s3 is not None:
+            return
+        try:
+            plan, split = gather_stragglers(topology.placement_now(layout, self._applied()),
+                                            stragglers=self.stragglers,
+                                            microbatches=sum(layout["microbatch_split"]))
+        except ValueError as exc:
+            append_event(self.run_dir, "mitigation_skipped", level="S3", why=f"no placement to plan: {exc}")
+            return
+        if not plan.improves:
+            append_event(self.run_dir, "mitigation_skipped", level="S3", why=plan.reason)
+            return
+        _, step_s = slow_loss(ranks)
+        cost_s = topology.move_cost_s(plan, None, step_s=step_s or 0.0, measured_s=self.relaid_s)
+        self.s3 = {"plan": plan, "why": why, "cost_s": round(cost_s, 3), "polls": 0, "split": list(split),
+                   "cost_is": "measured" if self.relaid_s is not None else "estimated"}
+
     def _s3_poll(self, ranks: dict) -> None:
         """S3's ski-rental: the placement once the loss reaches the move's cost; then
         the pause the move took, as the training side measured it."""
@@ -401,15 +421,26 @@ class Planner:
         plan = s3["plan"]
         self.version += 1
         s3["version"] = self.version
+        split = s3.get("split") or self._current_split(layout)
         self.client.set(PLAN_KEY, json.dumps({
-            "version": self.version, "microbatch_split": self._current_split(layout), "level": "S3",
+            "version": self.version, "microbatch_split": split, "level": "S3",
             "why": s3["why"], "placement": [list(cell) for cell in plan.placement]}))
+        modelled = [round(plan.cost_before, 4), round(plan.cost_after, 4)]
         append_event(self.run_dir, "mitigation", level="S3", version=self.version, why=s3["why"],
                      action=plan.reason, placement=[list(cell) for cell in plan.placement],
                      moves=[[m.rank, m.from_stage, m.to_stage] for m in plan.moves],
-                     modelled_step_s=[round(plan.cost_before, 4), round(plan.cost_after, 4)],
+                     **({"microbatch_split": split, "modelled_makespan_microbatches": modelled} if "split" in s3
+                        else {"modelled_step_s": modelled}),
                      loss_s=loss_s, cost_s=s3["cost_s"], cost_is=s3["cost_is"],
                      solve_seconds=round(plan.solve_seconds, 6))
+        if "split" in s3:
+            # The stragglers changed replica and their replicas' micro-batches: their work
+            # under the plan is measured again once it settles, and the healthy peers'
+            # line (drawn in the old replicas) no longer applies.
+            self._polls_applied = self._recovered_polls = 0
+            for work in self.work.values():
+                work.pop("settled", None)
+            self.peers = {}
 
     def _s4_refused(self, nodes: list[str], layout: dict | None) -> str | None:
         """Why S4 may not run now (None: it may)."""

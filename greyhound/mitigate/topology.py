@@ -121,11 +121,14 @@ def slow_links_of(verdict: Mapping) -> tuple[dict[str | frozenset[str], float], 
     return {key: min(1.0, max(worst, 1e-6))}, healthy
 
 
-def move_cost_s(plan: PlacementPlan, model: CostModel, *, step_s: float, measured_s: float | None) -> float:
+def move_cost_s(plan: PlacementPlan, model: CostModel | None, *, step_s: float, measured_s: float | None) -> float:
     """Seconds the job would pause for the plan: the last measured pause of this job if
-    there is one, else the estimate of the module doc."""
+    there is one, else the estimate of the module doc (``model`` may be None for a plan
+    that moves no rank's stage: only the edges of the pause are paid)."""
     if measured_s is not None:
         return measured_s
+    if not plan.moves or model is None:
+        return PAUSE_EDGE_STEPS * step_s
     per_stage = model.dp_bytes
     moved = sum(STATE_PER_GRADIENT * float(per_stage[m.to_stage] if isinstance(per_stage, Sequence) else per_stage)
                 for m in plan.moves)
