@@ -46,7 +46,16 @@ def test_a_slow_gemm_is_confirmed_and_a_normal_one_is_not():
     times = {0: 0.20, 5: 0.62, 7: 0.21, 3: 0.22}
     out = judge_gemm(times, suspects=[5, 3], references=[0, 7])
     assert [(o["rank"], o["confirmed"]) for o in out] == [(5, True), (3, False)]
-    assert out[0]["ratio"] == pytest.approx(0.62 / 0.205)
+    assert out[0]["ratio"] == pytest.approx(0.62 / 0.21)
+
+
+def test_a_suspect_is_judged_against_the_slowest_reference():
+    # A validation round on the local cluster: 2 shared cores, the healthy references
+    # 0.125 and 0.184 s; rank 4 (healthy) 0.215 s is 1.39x their median, not slow.
+    times = {5: 3.302, 2: 3.502, 4: 0.215, 0: 0.125, 7: 0.184}
+    out = judge_gemm(times, suspects=[5, 2, 4], references=[0, 7])
+    assert [(o["rank"], o["confirmed"]) for o in out] == [(5, True), (2, True), (4, False)]
+    assert out[2]["reference_s"] == 0.184
 
 
 def test_a_link_suspect_is_confirmed_by_a_slow_link_on_its_node():
