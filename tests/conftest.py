@@ -89,6 +89,16 @@ def pytest_make_collect_report(collector):
 
 
 @pytest.fixture(scope="session")
+def unmitigated(cluster, tmp_path_factory):
+    """The reference job with a compute fail-slow on rank 5 under --greyhound=detect
+    (reference_job.run_injected), run once: the online tests read its detection, the
+    mitigation tests its step times and losses (what every mitigated run must learn)."""
+    from reference_job import run_injected
+
+    return run_injected(tmp_path_factory.mktemp("unmitigated"), "detect")
+
+
+@pytest.fixture(scope="session")
 def cluster() -> None:
     """Skips a test unless the local Slurm cluster (scripts/cluster up) answers; under CI
     a missing cluster is a failure (see :func:`pytest_runtest_makereport`). Nodes still completing or

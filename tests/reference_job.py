@@ -3,6 +3,7 @@ greyhound, wait for its trackers, read its metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -55,6 +56,58 @@ def wait_tracking(job_id: str, iterations: int = READY_ITERATIONS, timeout_s: fl
             return st
         time.sleep(1)
     raise AssertionError(f"job {job_id}: trackers did not report {iterations} iterations in {timeout_s}s: {st}")
+
+
+def wait_no_episode(run_dir: Path, timeout_s: float = 60) -> None:
+    """Waits until the master has no slowdown episode open (a healthy job's noise can
+    open one): an injection then starts an episode of its own."""
+    from greyhound.control.events import read_events
+
+    opened, closed = {"detected"}, {"recovered", "back_to_tracking"}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        marks = [e["kind"] for e in read_events(run_dir) if e["kind"] in opened | closed]
+        if not marks or marks[-1] in closed:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"an episode stayed open for {timeout_s} s: {read_events(run_dir)}")
+
+
+INJECTED_STEPS = 140
+"""The fail-slow of :func:`run_injected` starts near step 50 and lasts 40 s (about 30
+steps); runs recovered within 10 steps of its end on the local cluster."""
+INJECTED_S = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class InjectedRun:
+    out: Path
+    job_id: str
+    rows: list[dict]
+    """The job's metrics, a row per step."""
+    events: list[dict]
+    truth: dict
+    """The injection's truth record."""
+
+
+def run_injected(out: Path, mode: str) -> InjectedRun:
+    """The reference job under ``--greyhound=<mode>`` with a CPU quota on rank 5 (severity
+    0.75) for ``INJECTED_S`` once its trackers have their healthy reference and no
+    episode is open; after the job's end."""
+    from greyhound.control.events import read_events
+
+    job = submit(out, INJECTED_STEPS, greyhound=mode)
+    wait_tracking(job.job_id)
+    wait_no_episode(RUN_DIR_BASE / job.job_id)
+    truth = out / "truth.jsonl"
+    subprocess.run([GREYHOUND, "inject", "compute", "--job", job.job_id, "--rank", "5", "--severity", "0.75",
+                    "--duration", str(INJECTED_S), "--truth", str(truth)], check=True, capture_output=True,
+                   timeout=120)
+    assert job.wait(900) == "COMPLETED", job.text()
+    return InjectedRun(out=out, job_id=job.job_id,
+                       rows=[json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()],
+                       events=read_events(RUN_DIR_BASE / job.job_id),
+                       truth=json.loads(truth.read_text().splitlines()[-1]))
 
 
 def losses(out: Path) -> list[float]:

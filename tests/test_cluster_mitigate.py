@@ -1,7 +1,8 @@
 """Mitigation on the real local cluster: the reference job (DP=2 x PP=4 on 4 nodes)
 with a CPU quota on one rank (or two), under --greyhound=mitigate and, side by side,
 under --greyhound=detect (the same fail-slow, nothing done about it: the losses every
-mitigated run must reproduce)."""
+mitigated run must reproduce; conftest's ``unmitigated``, shared with the online
+tests)."""
 
 from __future__ import annotations
 
@@ -12,46 +13,19 @@ import subprocess
 import pytest
 
 from greyhound.control.events import read_events
-from reference_job import GREYHOUND, RUN_DIR_BASE, losses, submit, timeline, wait_tracking
+from reference_job import INJECTED_STEPS, GREYHOUND, RUN_DIR_BASE, losses, run_injected, submit, timeline, \
+    wait_tracking
 
 pytestmark = pytest.mark.cluster
-
-STEPS = 140
-"""The fail-slow starts near step 50 and lasts 40 s (about 30 steps); both runs
-recovered within 10 steps of its end on the local cluster."""
-INJECTED_S = 40
-
-
-def _run(tmp_path, mode: str) -> tuple[list[dict], list[dict], dict]:
-    """(metrics rows, events, the injection's truth record) of one injected run; its
-    outputs in ``tmp_path / mode``."""
-    out = tmp_path / mode
-    job = submit(out, STEPS, greyhound=mode)
-    wait_tracking(job.job_id)
-    truth = tmp_path / f"{mode}.truth.jsonl"
-    subprocess.run([GREYHOUND, "inject", "compute", "--job", job.job_id, "--rank", "5", "--severity", "0.75",
-                    "--duration", str(INJECTED_S), "--truth", str(truth)], check=True, capture_output=True,
-                   timeout=120)
-    assert job.wait(900) == "COMPLETED", job.text()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return rows, read_events(RUN_DIR_BASE / job.job_id), json.loads(truth.read_text().splitlines()[-1])
-
 
 def _median_step_s(rows: list[dict], start: float, end: float) -> float:
     return statistics.median(r["step_time"] for r in rows if start < r["time"] - r["step_time"] and r["time"] <= end)
 
 
-@pytest.fixture(scope="module")
-def unmitigated(cluster, tmp_path_factory):
-    """The S2 test's fail-slow left alone under --greyhound=detect: (its directory, metrics
-    rows, events, truth)."""
-    tmp_path = tmp_path_factory.mktemp("unmitigated")
-    return tmp_path / "detect", *_run(tmp_path, "detect")
-
-
 def test_a_compute_fail_slow_is_rebalanced_by_s2_and_the_job_learns_exactly_the_same(unmitigated, tmp_path):
-    mitigated, events, truth = _run(tmp_path, "mitigate")
-    seen = timeline(events, tmp_path / "mitigate", truth)
+    run = run_injected(tmp_path, "mitigate")
+    mitigated, events, truth = run.rows, run.events, run.truth
+    seen = timeline(events, tmp_path, truth)
     plans = [e for e in events if e["kind"] == "mitigation"]
     assert plans, seen
     plan = plans[0]
@@ -65,7 +39,8 @@ def test_a_compute_fail_slow_is_rebalanced_by_s2_and_the_job_learns_exactly_the_
     applied = [r for r in mitigated if r["microbatch_split"] == plan["microbatch_split"]]
     assert applied and truth["start"] < applied[0]["time"] < truth["end"], (applied[:1], seen)
 
-    detect_out, unmitigated_rows, detect_events, detect_truth = unmitigated
+    detect_out, unmitigated_rows, detect_events, detect_truth = (unmitigated.out, unmitigated.rows,
+                                                                 unmitigated.events, unmitigated.truth)
     assert not [e for e in detect_events if e["kind"].startswith("mitigation")]
     # Step time under the fail-slow: with the plan in force against the same fail-slow
     # left alone (after its validation pause, the same in both).
@@ -74,8 +49,8 @@ def test_a_compute_fail_slow_is_rebalanced_by_s2_and_the_job_learns_exactly_the_
     without = _median_step_s(unmitigated_rows, paused["time"], detect_truth["end"])
     assert with_plan < 0.8 * without, (with_plan, without, seen, timeline(detect_events, detect_out, detect_truth))
     # Same samples, same global batch, gradients weighted by tokens: the same losses.
-    got, want = losses(tmp_path / "mitigate"), losses(detect_out)
-    assert len(got) == len(want) == STEPS
+    got, want = losses(tmp_path), losses(detect_out)
+    assert len(got) == len(want) == INJECTED_STEPS
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6
 
 
@@ -85,7 +60,7 @@ def test_two_compute_stragglers_in_two_replicas_are_gathered_into_one_and_s2_unl
     # names both; S3 exchanges DP ranks within a stage so that both run in one replica
     # (no stage moves: nothing but process groups to rebuild), with S2's split for it.
     out = tmp_path / "out"
-    job = submit(out, STEPS, greyhound="mitigate")
+    job = submit(out, INJECTED_STEPS, greyhound="mitigate")
     wait_tracking(job.job_id)
     injects = [subprocess.Popen([GREYHOUND, "inject", "compute", "--job", job.job_id, "--rank", str(rank),
                                  "--severity", "0.75", "--duration", "45", "--truth", str(tmp_path / f"truth{rank}")],
@@ -119,6 +94,6 @@ def test_two_compute_stragglers_in_two_replicas_are_gathered_into_one_and_s2_unl
     assert after < 0.7 * before, (after, before, seen)
     # Every step's loss was logged once, by whichever rank computed it after the move,
     # and is the loss of the run that nothing moved.
-    assert [r["step"] for r in rows] == list(range(STEPS)), seen
-    got, want = losses(out), losses(unmitigated[0])
+    assert [r["step"] for r in rows] == list(range(INJECTED_STEPS)), seen
+    got, want = losses(out), losses(unmitigated.out)
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-6, seen

@@ -25,17 +25,9 @@ from reference_job import GREYHOUND, RUN_DIR_BASE, losses, status, step_times, s
 
 pytestmark = pytest.mark.cluster
 
-def test_a_compute_fail_slow_is_detected_validated_named_and_its_end_seen(cluster, tmp_path):
-    out = tmp_path / "out"
-    job = submit(out, 150)    # injected near step 50 for 25 s; recovered within 10 steps of its end
-    wait_tracking(job.job_id)
-    wait_no_episode(RUN_DIR_BASE / job.job_id)
-    truth = tmp_path / "truth.jsonl"
-    subprocess.run([GREYHOUND, "inject", "compute", "--job", job.job_id, "--rank", "5", "--duration", "25",
-                    "--truth", str(truth)], check=True, capture_output=True, timeout=120)   # holds it 25 s
-    assert job.wait(600) == "COMPLETED", job.text()
-    record = json.loads(truth.read_text().splitlines()[-1])
-    events = read_events(RUN_DIR_BASE / job.job_id)
+def test_a_compute_fail_slow_is_detected_validated_named_and_its_end_seen(unmitigated):
+    # conftest's run: a CPU quota on rank 5 for 40 s under --greyhound=detect, from step 50 or so.
+    out, record, events = unmitigated.out, unmitigated.truth, unmitigated.events
     seen = timeline(events, out, record)
     # A detection before the injection is noise (scripts/bench_online counts those):
     # validation must not name a culprit for it.
@@ -57,28 +49,17 @@ def test_a_compute_fail_slow_is_detected_validated_named_and_its_end_seen(cluste
     # GEMMs of a few ranks sized to 0.2 s (the throttled one slower), P2P of 1 MiB: seconds.
     assert 0 < by_kind["paused"]["seconds"] < 30, by_kind["paused"]
     # Steps the job finished between the onset and the detection (scripts/bench_online
-    # measured 4 to 5 on this machine; the issue's target, 3, is measured there).
+    # measured 4 to 5 on this machine; the detector's own delay, 3 iterations past the
+    # onset, is in the event, and the issue's target, 3, is measured there).
     finished = sum(record["start"] < end <= by_kind["detected"]["time"] for end, _ in step_times(out))
     assert 1 <= finished <= 8, seen
+    assert 1 <= by_kind["detected"]["delay_iterations"] <= 6, seen
     assert "recovered" in by_kind and by_kind["recovered"]["time"] > record["end"], seen
     # The master writes its last event as Slurm ends the step, just after the job's end.
     deadline = time.monotonic() + 20
-    while (shown := status(job.job_id))["control_plane"] != "stopped" and time.monotonic() < deadline:
+    while (shown := status(unmitigated.job_id))["control_plane"] != "stopped" and time.monotonic() < deadline:
         time.sleep(0.5)
     assert shown["control_plane"] == "stopped", shown
-
-
-def wait_no_episode(run_dir, timeout_s: float = 60) -> None:
-    """Waits until the master has no slowdown episode open (a healthy job's noise can
-    open one): an injection then starts an episode of its own."""
-    opened, closed = {"detected"}, {"recovered", "back_to_tracking"}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        marks = [e["kind"] for e in read_events(run_dir) if e["kind"] in opened | closed]
-        if not marks or marks[-1] in closed:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"an episode stayed open for {timeout_s} s: {read_events(run_dir)}")
 
 
 def test_another_user_can_neither_read_the_password_nor_use_the_jobs_redis(cluster, tmp_path):
