@@ -7,6 +7,7 @@ hook's C GEMM on one thread of the parked process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -173,31 +174,78 @@ def bench_min(ring: RingReader, n: int, repeats: int = 5) -> tuple[float, float]
     return best
 
 
-@needs_cgroup
-def test_quota_on_one_rank_shows_in_its_gemm_only(tmp_path):
-    from greyhound.inject.compute import ComputeInjection
-    from greyhound.inject.spec import ComputeSpec
+class ParkedJob:
+    """A 2-rank MPI job on real rings, held at the same call (a consistent pause,
+    test_hook_pause_at_call.py): its rings by rank, and CPU quotas on its ranks."""
+
+    def __init__(self, rings: list[RingReader], inject_env) -> None:
+        self.rings = sorted(rings, key=lambda r: r.info.rank)
+        self.inject_env = inject_env
+        self.applied: list = []
+
+    def quota(self, rank: int, severity: float, name: str):
+        """A CPU quota on rank's process (all its threads), as `greyhound inject` sets
+        it: 1 - severity of a CPU. Undo it with .undo(), or leave it to the job's end."""
+        from greyhound.inject.compute import ComputeInjection
+        from greyhound.inject.spec import ComputeSpec
+
+        injection = ComputeInjection(ComputeSpec(pid=self.rings[rank].info.pid, severity=severity, cpus=1.0),
+                                     env=self.inject_env, injection_id=name)
+        injection.preflight()
+        injection.resolve()
+        injection.apply()
+        self.applied.append(injection)
+        return injection
+
+
+@contextlib.contextmanager
+def parked_job(tmp_path, iterations: int):
+    """A ParkedJob of RING_ITER; on leaving, its quotas undone and its ranks resumed,
+    and the job must have run every iteration correctly."""
     from greyhound.inject.state import InjectEnv
 
-    ranks, iterations = 2, 150
+    ranks = 2
     run_dir, out_dir = tmp_path / "run", tmp_path / "out"
     run_dir.mkdir()
     out_dir.mkdir()
     env = base_env(run_dir, hook_lib(), GREYHOUND_PAUSE_TIMEOUT_S="60")
-    proc = subprocess.Popen(mpirun_cmd(ranks, [PYTHON, RING_ITER, str(out_dir), str(iterations),
-                                               "0.02"], env),
+    proc = subprocess.Popen(mpirun_cmd(ranks, [PYTHON, RING_ITER, str(out_dir), str(iterations), "0.02"], env),
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     inject_env = InjectEnv(state_dir=tmp_path / "inject", cgroup_parent=f"ghtest-bench-{os.getpid()}")
-    injection = None
-    rings: list[RingReader] = []
+    job = None
     try:
         rings = [RingReader(p) for p in ready_rings(run_dir, ranks)]
+        job = ParkedJob(rings, inject_env)
         wait_for(lambda: min(r.calls for r in rings) > 10)
-        # A consistent pause (test_hook_pause_at_call.py), then the benchmark.
         target = 2 + 3 * ((max(r.calls for r in rings) + 6) // 3)
         for r in rings:
             r.pause(at_call=target)
         wait_for(lambda: all(r.parked_at_call == target for r in rings))
+        yield job
+        assert all(r.parked == 1 for r in rings)
+        for injection in job.applied:
+            injection.undo()
+        for r in rings:
+            r.resume()
+        out, err = proc.communicate(timeout=180)
+    finally:
+        for injection in job.applied if job else []:
+            injection.undo()
+        if inject_env.cgroup_base.is_dir():
+            inject_env.cgroup_base.rmdir()
+        proc.kill()
+        for r in job.rings if job else []:
+            r.close()
+    assert proc.returncode == 0, err[-3000:]
+    results = [json.loads((out_dir / f"out.{k}.json").read_text()) for k in range(ranks)]
+    assert results == [{"iterations": iterations, "tokens_ok": True,
+                        "allreduce": float(ranks * iterations)}] * ranks
+
+
+@needs_cgroup
+def test_quota_on_one_rank_shows_in_its_gemm_only(tmp_path):
+    with parked_job(tmp_path, 150) as job:
+        rings = job.rings
         # Size: the fastest of a few probes on every parked rank, the median over ranks
         # (the healthy majority's).
         probes = [bench_min(r, 256)[0] for r in rings]
@@ -208,34 +256,12 @@ def test_quota_on_one_rank_shows_in_its_gemm_only(tmp_path):
         before_rounds, quota_rounds = [], []
         for round_no in range(2):
             before_rounds.append([bench_min(r, n, repeats=3) for r in rings])
-            # 30 % of a CPU for rank 1's process (all its threads), as `greyhound inject` does.
-            injection = ComputeInjection(ComputeSpec(pid=rings[1].info.pid, severity=0.7, cpus=1.0),
-                                         env=inject_env, injection_id=f"quota{round_no}")
-            injection.preflight()
-            injection.resolve()
-            injection.apply()
+            injection = job.quota(1, 0.7, f"quota{round_no}")      # 30 % of a CPU for rank 1
             quota_rounds.append([bench_min(r, n, repeats=3) for r in rings])
             injection.undo()
-            injection = None
-        base = [min(rounds[k] for rounds in before_rounds) for k in range(ranks)]
-        quota = [min(rounds[k] for rounds in quota_rounds) for k in range(ranks)]
+        base = [min(rounds[k] for rounds in before_rounds) for k in range(2)]
+        quota = [min(rounds[k] for rounds in quota_rounds) for k in range(2)]
         print(f"n={n}; wall (cpu) seconds, before: {base}; rank 1 under a 30 % quota: {quota}")
-        assert all(r.parked == 1 for r in rings)
-        for r in rings:
-            r.resume()
-        out, err = proc.communicate(timeout=180)
-    finally:
-        if injection is not None:
-            injection.undo()
-        if inject_env.cgroup_base.is_dir():
-            inject_env.cgroup_base.rmdir()
-        proc.kill()
-        for r in rings:
-            r.close()
-    assert proc.returncode == 0, err[-3000:]
-    results = [json.loads((out_dir / f"out.{k}.json").read_text()) for k in range(ranks)]
-    assert results == [{"iterations": iterations, "tokens_ok": True,
-                        "allreduce": float(ranks * iterations)}] * ranks
     (base0, _), (base1, _) = base
     (wall0, cpu0), (wall1, cpu1) = quota
     # The quota'd rank: clearly slower than before and than its peer, in wall time,
@@ -268,3 +294,42 @@ def test_no_gemm_memory_until_asked(tmp_path):
         proc.kill()
     assert out == "300\n"
     assert 12 * 1024 * 0.9 <= grown < 12 * 1024 * 1.5, grown
+
+
+GEMM_ROUND = """
+import json, sys, time
+from mpi4py import MPI
+from greyhound.analytics.tracker import RankTracker
+from greyhound.control.agent import _Process
+from greyhound.control.pause import _gemm
+from greyhound.ring import RingReader
+local = {k: _Process(reader=RingReader(path), tracker=RankTracker()) for k, path in enumerate(sys.argv[1:])}
+start = time.monotonic()
+gemm = _gemm(MPI.COMM_WORLD, local, {"gemm_references": [0], "gemm_suspects": [1]}, lambda: None)
+print(json.dumps({**gemm, "wall_s": time.monotonic() - start}), flush=True)
+"""
+
+
+@needs_cgroup
+def test_a_throttled_suspects_gemm_is_waited_for_at_most_the_cap(tmp_path):
+    # Validation's GEMMs (pause._gemm) on two parked ranks of a real job, rank 1 at 5% of
+    # a CPU: its GEMM would take some 20 times the healthy one. It is waited for
+    # GEMM_CAP times the reference's, reported as a lower bound, and still confirmed.
+    from greyhound.control.pause import GEMM_CAP
+    from greyhound.control.validate import judge_gemm
+
+    with parked_job(tmp_path, 100) as job:
+        injection = job.quota(1, 0.95, "cap")
+        child = subprocess.run([PYTHON, "-c", GEMM_ROUND, *(str(r.path) for r in job.rings)],
+                               capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        injection.undo()
+    assert child.returncode == 0, child.stderr[-3000:]
+    gemm = json.loads(child.stdout.splitlines()[-1])
+    healthy, throttled = gemm["times_s"]["0"], gemm["times_s"]["1"]
+    assert gemm["capped"] == [1], gemm
+    assert GEMM_CAP * healthy <= throttled < GEMM_CAP * healthy + 0.5, gemm
+    # The round took the reference's runs and the capped wait, not the throttled GEMM.
+    assert gemm["wall_s"] < 2 * healthy + GEMM_CAP * healthy + 2.0, gemm
+    (result,) = judge_gemm({int(k): v for k, v in gemm["times_s"].items()}, suspects=[1], references=[0],
+                           capped=gemm["capped"])
+    assert result["confirmed"] and result["at_least"] and result["ratio"] >= GEMM_CAP * 0.99

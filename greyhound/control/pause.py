@@ -40,6 +40,12 @@ PROBES = 3
 GEMM_ROUNDS = 2
 P2P_ROUNDS = 2
 CLEARLY_SLOW = 4.0
+GEMM_CAP = 10.0
+"""A suspect's GEMM is waited for at most this many times the fastest reference's
+(BENCH_TIMEOUT_S at most): slow beyond doubt by then (confirmed at 1.3x the slowest
+reference), and a rank throttled to a tenth of a CPU held the job 3-6 s a run (11 s
+with two such ranks). Its time is then a lower bound (the round's ``capped`` ranks);
+the GEMM itself stops when the rank resumes."""
 
 
 def _local(agent) -> dict[int, _Process]:
@@ -116,7 +122,7 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat, s
         return None
     slow = p2p.slow_links(bandwidth)
     results = validate.judge_gemm(gemm["times_s"], suspects=request["gemm_suspects"],
-                                  references=request["gemm_references"])
+                                  references=request["gemm_references"], capped=gemm.get("capped", ()))
     results += validate.judge_links(slow, suspect_nodes=[tuple(n) for n in request["link_suspects"]])
     return {"paused": True, "pause_s": round(t_resumed - t_parked, 3), "park_s": round(t_parked - t_pause, 3),
             "gemm": gemm, "bandwidth_Bps": bandwidth, "slow_links": slow, "results": results}
@@ -157,18 +163,24 @@ def link_bandwidth(comm, node: str, passes: list, *, nodes: list[str],
     return bandwidth
 
 
-def _bench_on(comm, local: dict, rank: int, n: int, beat) -> float | None:
-    """The GEMM of size n in rank's process (the agent that has it runs it), everywhere."""
-    t = None
+def _bench_on(comm, local: dict, rank: int, n: int, beat, *,
+              wait_s: float = BENCH_TIMEOUT_S) -> tuple[float | None, bool]:
+    """The GEMM of size n in rank's process (the agent that has it runs it), everywhere:
+    (its seconds, False), or (the seconds waited, True) when it ran past ``wait_s`` (a
+    lower bound: it goes on until the rank resumes), or (None, False)."""
+    t, capped = None, False
     if rank in local:
         reader = local[rank].reader
+        started = time.monotonic()
         epoch = reader.request_bench(n)
-        deadline = time.monotonic() + BENCH_TIMEOUT_S
-        while (detail := reader.bench_detail(epoch)) is None and time.monotonic() < deadline:
+        while (detail := reader.bench_detail(epoch)) is None and time.monotonic() < started + wait_s:
             time.sleep(0.002)
-        t = detail.wall_s if detail is not None and detail.status == BENCH_OK else None
-    found = [x for x in mpi_wait.allgather(comm, t, beat=beat) if x is not None]
-    return found[0] if found else None
+        if detail is None:
+            t, capped = time.monotonic() - started, True
+        elif detail.status == BENCH_OK:
+            t = detail.wall_s
+    found = [x for x in mpi_wait.allgather(comm, (t, capped), beat=beat) if x[0] is not None]
+    return found[0] if found else (None, False)
 
 
 def _gemm(comm, local: dict, request: dict, beat) -> dict:
@@ -177,23 +189,28 @@ def _gemm(comm, local: dict, request: dict, beat) -> dict:
         return {"n": None, "times_s": {}}
     # The fastest of a few probes per reference: one 256 probe takes milliseconds and
     # varies by a third on a shared machine.
-    probes = [p for p in (_bench_on(comm, local, r, BENCH_PROBE_N, beat) for r in refs for _ in range(PROBES))
+    probes = [p for p, _ in (_bench_on(comm, local, r, BENCH_PROBE_N, beat) for r in refs for _ in range(PROBES))
               if p]
     n = bench_n_for(min(probes)) if probes else BENCH_PROBE_N
     # Each rank's fastest of GEMM_ROUNDS runs, the rounds interleaved: a throttled rank
     # is slow every time, a burst of other work on a shared node slows one run. A run
     # CLEARLY_SLOW times the fastest is not repeated: no burst explains it, and a
-    # throttled rank's second run would only lengthen the pause by seconds.
+    # throttled rank's second run would only lengthen the pause by seconds. The
+    # references run first: a suspect is waited for GEMM_CAP times their fastest.
     times: dict[int, float] = {}
-    ranks = [*suspects, *refs]
+    capped: set[int] = set()
+    ranks = [*refs, *suspects]
     for _ in range(GEMM_ROUNDS):
         for r in ranks:
-            t = _bench_on(comm, local, r, n, beat)
+            healthy = [times[x] for x in refs if x in times]
+            wait_s = min(BENCH_TIMEOUT_S, GEMM_CAP * min(healthy)) if healthy and r not in refs else BENCH_TIMEOUT_S
+            t, cut = _bench_on(comm, local, r, n, beat, wait_s=wait_s)
             if t is not None:
                 times[r] = min(t, times.get(r, t))
+                capped |= {r} if cut else set()
         fastest = min(times.values(), default=0.0)
         ranks = [r for r in ranks if r not in times or times[r] < CLEARLY_SLOW * fastest]
-    return {"n": n, "times_s": times}
+    return {"n": n, "times_s": times, "capped": sorted(capped)}
 
 
 def _land():

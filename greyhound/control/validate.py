@@ -121,8 +121,11 @@ def reference_ranks(suspects: list[int], ranks: list[int], *, count: int = 2) ->
     return [healthy[i] for i in idx]
 
 
-def judge_gemm(times_s: dict[int, float], *, suspects: list[int], references: list[int]) -> list[dict]:
-    """Per suspect rank: its GEMM time, the slowest reference's, confirmed or not."""
+def judge_gemm(times_s: dict[int, float], *, suspects: list[int], references: list[int],
+               capped=()) -> list[dict]:
+    """Per suspect rank: its GEMM time, the slowest reference's, confirmed or not; for a
+    ``capped`` rank (its GEMM was not waited for to the end) the time and ratio are
+    lower bounds (``at_least``)."""
     ref = [times_s[r] for r in references if times_s.get(r)]
     slowest = max(ref) if ref else float("nan")
     out = []
@@ -130,7 +133,7 @@ def judge_gemm(times_s: dict[int, float], *, suspects: list[int], references: li
         t = times_s.get(r)
         ratio = t / slowest if t and ref else float("nan")
         out.append({"key": f"compute:{r}", "rank": r, "gemm_s": t, "reference_s": slowest,
-                    "ratio": ratio, "confirmed": bool(ratio > GEMM_SLOW_RATIO)})
+                    "ratio": ratio, "at_least": r in capped, "confirmed": bool(ratio > GEMM_SLOW_RATIO)})
     return out
 
 
