@@ -127,6 +127,26 @@ def test_a_straggler_that_recovered_before_the_plan_settled_gets_the_job_its_own
     assert (plan["version"], plan["microbatch_split"]) == (2, [8, 8])
 
 
+def test_a_straggler_with_no_recent_figure_at_the_verdict_is_watched_and_its_plan_ends(job):
+    # scripts/demo: rank 5 at 5x finished too few iterations in the agent's window to
+    # have a recent figure when the verdict came; it was not watched, and 14,2 stayed
+    # to the end of the job though it recovered 30 s later.
+    run_dir, client = job
+    planner = Planner(client, run_dir, config=PlannerConfig(settle_polls=2, end_polls=3))
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    planner.on_verdict({**VERDICT, "severity": 5.14}, _ranks({5: None}, base=0.145))   # the job 5.14x slow
+    assert planner.work[5] == {"base": 0.145}
+    split = json.loads(client.get(store.PLAN))["microbatch_split"]
+    client.set(store.TRAINING_APPLIED, json.dumps({"version": 1, "step": 60, "microbatch_split": split}))
+    for _ in range(3):                                       # settling, still slow
+        planner.poll(_ranks({5: 0.8}, base=0.145))
+    assert planner.work[5]["settled"] == 0.8
+    for _ in range(3):                                       # recovered
+        planner.poll(_ranks({5: 0.03}, base=0.145))
+    plan = json.loads(client.get(store.PLAN))
+    assert (plan["version"], plan["microbatch_split"], plan["level"]) == (2, [8, 8], "S1")
+
+
 def test_a_straggler_still_slow_under_the_plan_keeps_it_against_its_peers_line(job):
     run_dir, client = job
     planner = Planner(client, run_dir, config=PlannerConfig(settle_polls=1, end_polls=2))

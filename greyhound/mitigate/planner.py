@@ -258,14 +258,19 @@ class Planner:
             return
         self.stragglers.update(found)
         # Every straggler's work is measured again around the new plan (an earlier
-        # straggler's healthy base stays what it was before its fail-slow).
+        # straggler's healthy base stays what it was before its fail-slow). A figure
+        # may be missing (a rank 5x slow finishes too few iterations in the agent's
+        # recent window to have one): it is watched all the same, from the figures it
+        # has under the plan (unwatched, its plan stayed to the end of the job).
         for rank in self.stragglers:
             state = ranks.get(rank, {})
-            try:
-                base = self.work[rank]["base"] if rank in self.work else float(state["compute_base_s"])
-                self.work[rank] = {"base": base, "before": float(state["compute_s"])}
-            except (KeyError, TypeError, ValueError):
-                self.work.pop(rank, None)      # no figures: the plan stays until the job ends
+            work = {"base": self.work[rank]["base"]} if "base" in self.work.get(rank, {}) else {}
+            for key, field in (("base", "compute_base_s"), ("before", "compute_s")):
+                try:
+                    work.setdefault(key, float(state[field]))
+                except (KeyError, TypeError, ValueError):
+                    pass
+            self.work[rank] = work
         self._peers_before(layout, ranks)
         self._publish(layout, ranks, why=f"compute straggler(s) {_ranks_text(self.stragglers)}")
         if len(self.stragglers) > 1:     # S3: gather them into fewer replicas, the next rung
