@@ -95,7 +95,7 @@ def _slow_workers(attr: Attribution, nodes, lost: float) -> list[Cause]:
             },
             remedy=(
                 "online: greyhound re-splits micro-batches away from the slow DP group (S2), "
-                "consolidates stragglers into few stages (S3), or requeues the job excluding node "
+                "gathers stragglers into few DP replicas (S3), or requeues the job excluding node "
                 f"{workers[0]['node']} (S4); check that node's GPU health"
             ),
         )
