@@ -389,3 +389,19 @@ def test_two_stragglers_already_in_one_replica_stay_there(job):
     assert (first["level"], first["microbatch_split"]) == ("S2", [4, 12]) and plan == first
     skipped = [e for e in events if e["kind"] == "mitigation_skipped"]
     assert skipped and skipped[0]["level"] == "S3" and "no gathering" in skipped[0]["why"]
+
+
+def test_a_finding_beside_the_lead_with_no_figure_of_its_own_needs_a_clearly_slow_gemm(job):
+    # scripts/demo: rank 0 (healthy) read 1.33x in its GEMM and had no recent work figure
+    # (read around the pause); taken at the job's 5.9x it was gathered with rank 5.
+    run_dir, client = job
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    verdict = {**VERDICT, "severity": 5.9, "also": [{"kind": "compute", "ranks": [0], "strength": 1.33}]}
+    planner = Planner(client, run_dir)
+    planner.on_verdict(verdict, _ranks({5: 0.15, 0: None}))
+    assert planner.stragglers == {5: 3.0}
+    # A GEMM clearly slow stands alone: the job's slowdown, at most the GEMM's ratio.
+    planner = Planner(client, run_dir)
+    planner.on_verdict({**verdict, "also": [{"kind": "compute", "ranks": [0], "strength": 4.0}]},
+                       _ranks({5: 0.15, 0: None}))
+    assert planner.stragglers == {5: 3.0, 0: 4.0}
