@@ -327,9 +327,11 @@ def test_a_throttled_suspects_gemm_is_waited_for_at_most_the_cap(tmp_path):
     gemm = json.loads(child.stdout.splitlines()[-1])
     healthy, throttled = gemm["times_s"]["0"], gemm["times_s"]["1"]
     assert gemm["capped"] == [1], gemm
-    assert GEMM_CAP * healthy <= throttled < GEMM_CAP * healthy + 0.5, gemm
-    # The round took the reference's runs and the capped wait, not the throttled GEMM.
-    assert gemm["wall_s"] < 2 * healthy + GEMM_CAP * healthy + 2.0, gemm
+    # Cut at GEMM_CAP times the reference's time then (its fastest run may come later:
+    # the figure kept is its best of two), far short of the ~20x the whole GEMM takes.
+    assert GEMM_CAP * healthy <= throttled < 15 * healthy, gemm
+    # The round took the probes, the reference's runs and the capped wait, no more.
+    assert gemm["wall_s"] < throttled + 1.5, gemm
     (result,) = judge_gemm({int(k): v for k, v in gemm["times_s"].items()}, suspects=[1], references=[0],
                            capped=gemm["capped"])
     assert result["confirmed"] and result["at_least"] and result["ratio"] >= GEMM_CAP * 0.99
