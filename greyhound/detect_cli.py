@@ -57,17 +57,14 @@ def read_detect_input(path: str) -> DetectInput:
     try:
         # The header as pyarrow reads it (names may carry spaces), so that the text
         # columns get their type whatever spaces surround their names.
-        # One thread: the input is small, and a streaming reader's read-ahead thread
-        # still running at exit aborted the process once in CI ("terminate called
-        # without an active exception", exit -6 after the one-line error; apache/arrow#34314).
+        # One thread: a read-ahead thread still running at exit aborted it once (apache/arrow#34314).
         serial = pacsv.ReadOptions(use_threads=False)
         with pacsv.open_csv(io.BytesIO(data), read_options=serial) as reader:
             raw_names = reader.schema.names
         names = [name.strip() for name in raw_names]
         _check_unique(path, names)
         table = pacsv.read_csv(
-            io.BytesIO(data),
-            read_options=serial,
+            io.BytesIO(data), read_options=serial,
             convert_options=pacsv.ConvertOptions(
                 column_types={
                     raw: pa.string() for raw, name in zip(raw_names, names) if name in _TEXT_COLUMNS
