@@ -207,7 +207,8 @@ def _gemm(comm, local: dict, request: dict, beat) -> dict:
             t, cut = _bench_on(comm, local, r, n, beat, wait_s=wait_s)
             if t is not None:
                 times[r] = min(t, times.get(r, t))
-                capped |= {r} if cut else set()
+            if cut:
+                capped.add(r)
         fastest = min(times.values(), default=0.0)
         ranks = [r for r in ranks if r not in times or times[r] < CLEARLY_SLOW * fastest]
     return {"n": n, "times_s": times, "capped": sorted(capped)}

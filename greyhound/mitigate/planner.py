@@ -347,10 +347,10 @@ class Planner:
                      action=f"checkpoint, then requeue without {','.join(s4['nodes'])}", nodes=s4["nodes"],
                      loss_s=loss_s, cost_s=round(cost_s, 3))
 
-    def _s3_candidate(self, layout: dict, ranks: dict, *, bandwidth: float, why: str,
-                      slow_links: dict | None = None, stragglers: dict[int, float] | None = None) -> None:
-        """The placement that helps (placement.py, on the step's traffic and compute
-        as the agents measured them); the candidate waits for its cost in loss."""
+    def _s3_candidate(self, layout: dict, ranks: dict, *, bandwidth: float, why: str, slow_links: dict) -> None:
+        """The placement that moves the job's traffic off slow links (placement.py, on
+        the step's traffic and compute as the agents measured them); the candidate waits
+        for its cost in loss."""
         if self.s3 is not None:
             return
         placement = topology.placement_now(layout, self._applied())
@@ -360,18 +360,11 @@ class Planner:
             model = topology.step_model(store.read_comm_stats(self.client, range(len(placement))), ranks,
                                         placement, bandwidth=bandwidth)
             plan = plan_placement(dp=len(replicas), pp=len(replicas[0]), node_of_rank=nodes, model=model,
-                                  placement=placement, slow_links=slow_links, stragglers=stragglers,
-                                  max_branches=S3_MAX_BRANCHES)
+                                  placement=placement, slow_links=slow_links, max_branches=S3_MAX_BRANCHES)
         except (KeyError, ValueError) as exc:
             append_event(self.run_dir, "mitigation_skipped", level="S3", why=f"no placement to plan: {exc}")
             return
-        if not plan.improves:
-            append_event(self.run_dir, "mitigation_skipped", level="S3", why=plan.reason)
-            return
-        _, step_s = slow_loss(ranks)
-        cost_s = topology.move_cost_s(plan, model, step_s=step_s or 0.0, measured_s=self.relaid_s)
-        self.s3 = {"plan": plan, "why": why, "cost_s": round(cost_s, 3), "polls": 0,
-                   "cost_is": "measured" if self.relaid_s is not None else "estimated"}
+        self._s3_propose(plan, model, ranks, why=why)
 
     def _s3_gather(self, layout: dict, ranks: dict, *, why: str) -> None:
         """The DP-rank exchanges that gather the stragglers into the fewest replicas, and
@@ -385,12 +378,18 @@ class Planner:
         except ValueError as exc:
             append_event(self.run_dir, "mitigation_skipped", level="S3", why=f"no placement to plan: {exc}")
             return
+        self._s3_propose(plan, None, ranks, why=why, split=list(split))
+
+    def _s3_propose(self, plan, model, ranks: dict, *, why: str, **extra) -> None:
+        """A plan that beats the current placement becomes the S3 candidate, with the
+        move's cost (topology.move_cost_s; ``model`` None for a plan that moves no
+        stage) and ``extra`` (a gathering's ``split``); one that does not, an event."""
         if not plan.improves:
             append_event(self.run_dir, "mitigation_skipped", level="S3", why=plan.reason)
             return
         _, step_s = slow_loss(ranks)
-        cost_s = topology.move_cost_s(plan, None, step_s=step_s or 0.0, measured_s=self.relaid_s)
-        self.s3 = {"plan": plan, "why": why, "cost_s": round(cost_s, 3), "polls": 0, "split": list(split),
+        cost_s = topology.move_cost_s(plan, model, step_s=step_s or 0.0, measured_s=self.relaid_s)
+        self.s3 = {"plan": plan, "why": why, "cost_s": round(cost_s, 3), "polls": 0, **extra,
                    "cost_is": "measured" if self.relaid_s is not None else "estimated"}
 
     def _s3_poll(self, ranks: dict) -> None:
