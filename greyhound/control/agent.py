@@ -148,10 +148,13 @@ def _step_ends(sync: np.ndarray, per_step: int) -> tuple[np.ndarray, int]:
 def blocked_seconds(records: np.ndarray) -> float:
     """Seconds the process spent inside communication calls and waits among records
     (an async call's record is its enqueue; its wait is timed by its Wait record)."""
-    inside = records[_IS_BLOCKING[records["op"]]]
-    if not len(inside):
+    # The two time fields alone: selecting whole 64-byte records first was a tenth of
+    # an agent's poll.
+    inside = _IS_BLOCKING[records["op"]]
+    if not inside.any():
         return 0.0
-    return float((inside["t_end_ns"].astype(np.int64) - inside["t_start_ns"].astype(np.int64)).clip(min=0).sum()) / 1e9
+    spans = records["t_end_ns"][inside].astype(np.int64) - records["t_start_ns"][inside].astype(np.int64)
+    return float(spans.clip(min=0).sum()) / 1e9
 
 
 def _unlocked_clock(proc: _Process) -> RankClock | None:
