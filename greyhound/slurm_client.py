@@ -376,13 +376,17 @@ def start_overlap_step(argv: list[str], *, num_nodes: int, log_fd: int, env: dic
     """Starts ``argv`` as a job step of one task per node that shares every CPU, memory
     and GRES with the job's other steps (``srun --overlap``, Slurm >= 21.08: the user's
     own ``srun`` never waits for it), from inside the job's allocation. srun's messages
-    and the task's output go to ``log_fd``.
+    and the task's output go to ``log_fd``. A task that dies (a signal, a non-zero
+    status) ends the step (``--kill-on-bad-exit``): the others, one MPI world with it,
+    cannot go on, and a plane task that crashed in MPI_Init left the other three
+    polling Open MPI at a full core each until the launcher's 60 s deadline, on the
+    cores of the job it was there to watch.
 
     Raises:
         OSError: srun cannot be started.
     """
     command = ["srun", "--overlap", f"--nodes={num_nodes}", f"--ntasks={num_nodes}", "--ntasks-per-node=1",
-               "--mpi=pmix", "--gres=none", f"--job-name={name}", "--kill-on-bad-exit=0", "--quiet",
+               "--mpi=pmix", "--gres=none", f"--job-name={name}", "--kill-on-bad-exit=1", "--quiet",
                "--export=ALL", *argv]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, env=env)
 

@@ -97,7 +97,10 @@ def main() -> int:
     # crashed the latter in its TCP transport (a NULL call under ompi_mpi_init ->
     # opal_progress, twice in a dozen starts on a loaded machine). All peers are added
     # inside MPI_Init instead: one per node, a few thousand at most.
-    env = {**os.environ, "GREYHOUND_CONTROL_PLANE": "1", "OMPI_MCA_mpi_add_procs_cutoff": "1000000"}
+    # A plane rank that waits in a blocking MPI call yields its core (Open MPI polls in a
+    # busy loop otherwise): the cores are the job's.
+    env = {**os.environ, "GREYHOUND_CONTROL_PLANE": "1", "OMPI_MCA_mpi_add_procs_cutoff": "1000000",
+           "OMPI_MCA_mpi_yield_when_idle": "1"}
     for attempt in range(1, STARTS + 1):
         try:
             proc = start_overlap_step([sys.executable, "-I", "-m", "greyhound.control.plane"],
