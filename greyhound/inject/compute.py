@@ -44,7 +44,7 @@ def quota_us(severity: float, cpus: float, period_us: int = PERIOD_US) -> int:
     return max(1000, round((1.0 - severity) * cpus * period_us))
 
 
-def _cpu_seconds(pids: list[int]) -> float:
+def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds of the processes (all threads), 0 for a gone one."""
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0
@@ -59,9 +59,9 @@ def _cpu_seconds(pids: list[int]) -> float:
 
 def measure_cpus(pids: list[int], window_s: float = MEASURE_WINDOW_S) -> float:
     """CPUs the processes used over the next window_s seconds (at least MIN_CPUS)."""
-    t0, c0 = time.monotonic(), _cpu_seconds(pids)
+    t0, c0 = time.monotonic(), cpu_seconds(pids)
     time.sleep(window_s)
-    rate = (_cpu_seconds(pids) - c0) / (time.monotonic() - t0)
+    rate = (cpu_seconds(pids) - c0) / (time.monotonic() - t0)
     return max(MIN_CPUS, rate)
 
 
