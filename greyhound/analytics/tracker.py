@@ -333,18 +333,33 @@ class RankTracker:
         # step to step (a pipeline stage's sends follow its micro-batch count).
         # Grouped by (communicator, kind) in one sort: a pass per group was a fifth of
         # a rank's poll.
-        comms, inverse = np.unique(calls["comm_id"], return_inverse=True)
-        group = inverse.reshape(-1) * 2 + _IS_COLLECTIVE[calls["op"]]
-        counts = np.bincount(group, minlength=2 * len(comms))
-        keys = [(c, kind) for c in comms.tolist() for kind in (False, True)]
-        bases = np.array([self._comm_counts.get(key, 0) for key in keys], dtype=np.int64)
-        ordinals = np.empty(len(calls), dtype=np.int64)
-        ordinals[np.argsort(group, kind="stable")] = \
-            np.arange(len(calls)) - np.repeat(np.cumsum(counts) - counts, counts)
-        ordinals += bases[group]
-        for key, base, count in zip(keys, bases.tolist(), counts.tolist()):
-            if count:
-                self._comm_counts[key] = base + count
+        comm_ids, collective = calls["comm_id"], _IS_COLLECTIVE[calls["op"]]
+        if (comm_ids == comm_ids[0]).all():
+            # One communicator in the batch (a rank's calls between two of its other
+            # communicators' calls): two running counts, without the sort.
+            comm = int(comm_ids[0])
+            before = np.cumsum(collective) - collective       # collectives before each call
+            p2p_base = self._comm_counts.get((comm, False), 0)
+            coll_base = self._comm_counts.get((comm, True), 0)
+            ordinals = np.where(collective, coll_base + before, p2p_base + np.arange(len(calls)) - before)
+            num_collective = int(before[-1]) + int(collective[-1])
+            for kind, base, count in ((False, p2p_base, len(calls) - num_collective),
+                                      (True, coll_base, num_collective)):
+                if count:
+                    self._comm_counts[(comm, kind)] = base + count
+        else:
+            comms, inverse = np.unique(comm_ids, return_inverse=True)
+            group = inverse.reshape(-1) * 2 + collective
+            counts = np.bincount(group, minlength=2 * len(comms))
+            keys = [(c, kind) for c in comms.tolist() for kind in (False, True)]
+            bases = np.array([self._comm_counts.get(key, 0) for key in keys], dtype=np.int64)
+            ordinals = np.empty(len(calls), dtype=np.int64)
+            ordinals[np.argsort(group, kind="stable")] = \
+                np.arange(len(calls)) - np.repeat(np.cumsum(counts) - counts, counts)
+            ordinals += bases[group]
+            for key, base, count in zip(keys, bases.tolist(), counts.tolist()):
+                if count:
+                    self._comm_counts[key] = base + count
         dropped = max(0, len(calls) - self.config.history_calls)
         calls, ordinals, first_index = calls[dropped:], ordinals[dropped:], first_index + dropped
         k = len(calls)
