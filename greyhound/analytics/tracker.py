@@ -331,35 +331,33 @@ class RankTracker:
         # ones in the same order, so the n-th is the same collective everywhere, while
         # the point-to-point calls on a communicator differ from rank to rank and from
         # step to step (a pipeline stage's sends follow its micro-batch count).
-        # Grouped by (communicator, kind) in one sort: a pass per group was a fifth of
-        # a rank's poll.
         comm_ids, collective = calls["comm_id"], _IS_COLLECTIVE[calls["op"]]
         if (comm_ids == comm_ids[0]).all():
-            # One communicator in the batch (a rank's calls between two of its other
-            # communicators' calls): two running counts, without the sort.
+            # The usual batch: every call on one communicator. Two running counts
+            # number it, without np.unique and a sort (12 us a 500-call batch, not 25-36).
             comm = int(comm_ids[0])
+            keys = [(comm, False), (comm, True)]
+            p2p_base, coll_base = (self._comm_counts.get(key, 0) for key in keys)
             before = np.cumsum(collective) - collective       # collectives before each call
-            p2p_base = self._comm_counts.get((comm, False), 0)
-            coll_base = self._comm_counts.get((comm, True), 0)
             ordinals = np.where(collective, coll_base + before, p2p_base + np.arange(len(calls)) - before)
             num_collective = int(before[-1]) + int(collective[-1])
-            for kind, base, count in ((False, p2p_base, len(calls) - num_collective),
-                                      (True, coll_base, num_collective)):
-                if count:
-                    self._comm_counts[(comm, kind)] = base + count
+            bases, counts = [p2p_base, coll_base], [len(calls) - num_collective, num_collective]
         else:
+            # Grouped by (communicator, kind) in one sort: a pass per group was a fifth
+            # of a rank's poll.
             comms, inverse = np.unique(comm_ids, return_inverse=True)
             group = inverse.reshape(-1) * 2 + collective
-            counts = np.bincount(group, minlength=2 * len(comms))
+            group_counts = np.bincount(group, minlength=2 * len(comms))
             keys = [(c, kind) for c in comms.tolist() for kind in (False, True)]
-            bases = np.array([self._comm_counts.get(key, 0) for key in keys], dtype=np.int64)
+            group_bases = np.array([self._comm_counts.get(key, 0) for key in keys], dtype=np.int64)
             ordinals = np.empty(len(calls), dtype=np.int64)
             ordinals[np.argsort(group, kind="stable")] = \
-                np.arange(len(calls)) - np.repeat(np.cumsum(counts) - counts, counts)
-            ordinals += bases[group]
-            for key, base, count in zip(keys, bases.tolist(), counts.tolist()):
-                if count:
-                    self._comm_counts[key] = base + count
+                np.arange(len(calls)) - np.repeat(np.cumsum(group_counts) - group_counts, group_counts)
+            ordinals += group_bases[group]
+            bases, counts = group_bases.tolist(), group_counts.tolist()
+        for key, base, count in zip(keys, bases, counts):
+            if count:
+                self._comm_counts[key] = base + count
         dropped = max(0, len(calls) - self.config.history_calls)
         calls, ordinals, first_index = calls[dropped:], ordinals[dropped:], first_index + dropped
         k = len(calls)
