@@ -24,15 +24,17 @@ def job(tmp_path):
     stop_redis(proc)
 
 
-def publish(client, *, slow_ranks=(), slow_since=40, late_rank=None, step_s=None):
+def publish(client, *, slow_ranks=(), slow_since=40, late_rank=None, step_s=None, unlocked=()):
     """Eight ranks (r on node r // 2), DP groups (r, r + 4); late_rank arrives last;
-    the slow ranks' recent step time is ``step_s`` (default 0.3 s)."""
+    the slow ranks' recent step time is ``step_s`` (default 0.3 s); the trackers of
+    ``unlocked`` have no period (re-locking)."""
     for r in range(8):
         slow = r in slow_ranks
         current = (step_s or 0.3) if slow else 0.2
         pipe = client.pipeline(transaction=False)
         store.publish_rank(pipe, r, new_times=[current], fields={
             "node": NODES[r // 2], "iterations": 60, "current_s": current, "baseline_s": 0.2,
+            "period": None if r in unlocked else 40,
             "slowdown": 1.5 if slow else 1.0, "slow_since": slow_since if slow else None,
             "compute_share": 0.9 if r == late_rank else (0.5 if r == (late_rank or 0) - 4 else 0.8),
         })
@@ -252,6 +254,10 @@ def test_a_job_much_slower_than_at_its_best_since_a_named_verdict_is_examined_ag
     # The plan taking hold, then noise: single polls at 0.6 s and a 20% rise are not a worsening.
     for step_s in (0.45, 0.3, 0.31, 0.29, 0.6, 0.3, 0.32, 0.36, 0.36, 0.36, 0.3):
         publish(client, slow_ranks=range(8), late_rank=5, step_s=step_s)
+        master.step()
+    # Re-locking trackers still show their time from before a re-split: not counted.
+    for _ in range(4):
+        publish(client, slow_ranks=range(8), late_rank=5, step_s=0.99, unlocked=range(5))
         master.step()
     assert master.state == "tracking" and "reexamining" not in [e["kind"] for e in read_events(run_dir)]
     for _ in range(3):
