@@ -324,9 +324,10 @@ def _verdict_stands(e: dict) -> str:
 
 def _recovered(e: dict) -> str:
     lasted = _num(e.get("lasted_s"))
-    kind, where = _str(e.get("verdict")), _str(e.get("where"))
+    kind, where, level = _str(e.get("verdict")), _str(e.get("where")), _str(e.get("under_mitigation"), 8)
     return _join("recovered", f" after {lasted:.0f} s" if lasted is not None else None,
-                 f" ({kind} at {where})" if kind and where else None)
+                 f" ({kind} at {where})" if kind and where else None,
+                 f": the job's pace, under mitigation {level}" if level else None)
 
 
 def _back(e: dict) -> str:

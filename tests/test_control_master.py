@@ -271,6 +271,12 @@ def test_a_job_much_slower_than_at_its_best_since_a_named_verdict_is_examined_ag
     master.complete_validation(_confirmed(1))
     assert planner.verdicts == [[5], [1]] and master.state == "tracking"
     assert (master.episode.verdict["kind"], master.episode.verdict["ranks"]) == ("compute", [1])
+    # The plan in force brings the job back to its pace: "recovered", and under what.
+    client.set(store.PLAN, store.dumps({"version": 2, "microbatch_split": [12, 4], "level": "S2", "why": "-"}))
+    publish(client)
+    master.step()
+    recovered = read_events(run_dir)[-1]
+    assert recovered["kind"] == "recovered" and recovered["under_mitigation"] == "S2", recovered
 
 
 def test_a_reexamination_that_confirms_nothing_leaves_the_named_verdict_standing(job):

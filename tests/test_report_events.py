@@ -356,6 +356,8 @@ def test_the_size_cap_starts_at_a_whole_line(tmp_path):
     ({"kind": "verdict_stands", "verdict": VERDICT, "why": "the re-examination confirmed nothing new"},
      "verdict stands: compute fail-slow at rank 3 on n1 (the re-examination confirmed nothing new)"),
     ({"kind": "verdict_stands", "verdict": "rank 3"}, "verdict stands"),
+    ({"kind": "recovered", "verdict": "compute", "where": "rank 5 on n3", "lasted_s": 8.2, "under_mitigation": "S2"},
+     "recovered after 8 s (compute at rank 5 on n3): the job's pace, under mitigation S2"),
     ({"kind": "control_plane_failed", "why": "redis-server\x1b[31m did not start"},
      "control plane failed: redis-server [31m did not start"),
     ({"kind": "detected", "slowdown": "1.5", "ranks": "all"}, "detected: job slower"),

@@ -173,8 +173,13 @@ class Master:
             if ep.verdict is None:
                 self._event("back_to_tracking", why=f"the slowdown ended while {self.state}")
             else:
+                # Under a plan in force the job is back to its pace, not the straggler:
+                # the event says which (the planner steps back when the straggler is).
+                plan = job.get("plan")
+                level = plan.get("level") if isinstance(plan, dict) else None
                 self._event("recovered", verdict=ep.verdict["kind"], where=ep.verdict["where"],
-                            lasted_s=round(time.time() - ep.detected_s, 2))
+                            lasted_s=round(time.time() - ep.detected_s, 2),
+                            **({"under_mitigation": level} if level in ("S2", "S3") else {}))
             self.episode = None
             self.client.set(store.SUSPECTS, "[]")
             self._set("tracking")
