@@ -313,15 +313,6 @@ def _verdict(e: dict) -> str:
                  f" since tracker iteration {since}" if since else None, how)
 
 
-def _verdict_stands(e: dict) -> str:
-    v = e.get("verdict")
-    if not isinstance(v, dict):
-        v = {}
-    kind, where, why = _str(v.get("kind")), _str(v.get("where")), _str(e.get("why"), 160)
-    return _join("verdict stands", f": {kind} fail-slow at {where}" if kind and where else None,
-                 f" ({why})" if why else None)
-
-
 def _recovered(e: dict) -> str:
     lasted = _num(e.get("lasted_s"))
     kind, where, level = _str(e.get("verdict")), _str(e.get("where")), _str(e.get("under_mitigation"), 8)
@@ -400,8 +391,7 @@ def _failed(e: dict) -> str:
 
 _SUMMARIES = {
     "detected": _detected, "suspects": _suspects, "paused": _paused, "validated": _validated,
-    "verdict": _verdict, "verdict_stands": _verdict_stands, "recovered": _recovered, "back_to_tracking": _back,
-    "reexamining": _reexamining,
+    "verdict": _verdict, "recovered": _recovered, "back_to_tracking": _back, "reexamining": _reexamining,
     "control_plane_started": _started, "control_plane_failed": _failed,
     "control_plane_stopped": lambda e: "control plane stopped", "resumed": lambda e: "resumed",
     "mitigation": _mitigation, "mitigation_ended": _mitigation_ended, "requeued": _requeued, "relaid": _relaid,

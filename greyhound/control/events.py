@@ -28,7 +28,7 @@ EVENTS_FILE = "events.jsonl"
 KINDS = (
     "control_plane_started", "control_plane_stopped", "control_plane_failed",
     "detected", "recovered", "suspects", "back_to_tracking", "reexamining", "paused", "resumed",
-    "validated", "verdict", "verdict_stands",
+    "validated", "verdict",
     "mitigation", "mitigation_ended", "mitigation_skipped", "relaid", "requeued",
 )
 """What an event may be; ``kind`` is always one of these."""

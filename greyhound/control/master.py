@@ -7,7 +7,6 @@
     profiling/validating --(the slowdown ended meanwhile)--> tracking ("back_to_tracking")
     a verdict's slowdown ends --> "recovered"
     an "unknown" verdict's slowdown lasts --(after a hold-off, doubled each time)--> profiling ("reexamining")
-    a named verdict's job gets much slower than at its best since --> profiling ("reexamining")
 
 Each decision is an event in the job's event log and the state is on the job's Redis,
 where `greyhound status` reads it. Validation (a consistent pause at the hook's gate,
@@ -25,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -65,20 +64,7 @@ class MasterConfig:
     began while the job was already slow (a false alarm's episode) is still named, and
     a lasting slowdown nobody causes costs ever fewer pauses."""
 
-    worse_fraction: float = 0.3
-    """After a named verdict, the job is examined again when its step time stays this
-    much above its best since the verdict (its mitigation in force) for ``worse_polls``
-    polls: a second straggler that began after the first was named (two quotas started
-    5 s apart: the verdict named the first, and the second went unseen for the rest of
-    the episode, under a re-split that gave its replica more micro-batches). Well above
-    the detector's 10%: this machine's healthy step time drifts 15-25% over a run."""
-    worse_polls: int = 6
-
     def __post_init__(self) -> None:
-        if not self.worse_fraction > 0:
-            raise ValueError(f"worse_fraction={self.worse_fraction} must be > 0")
-        if self.worse_polls < 1:
-            raise ValueError(f"worse_polls={self.worse_polls} must be >= 1")
         if not 0 < self.slow_rank_fraction <= 1:
             raise ValueError(f"slow_rank_fraction={self.slow_rank_fraction} must be in (0, 1]")
         if self.profile_polls < 1:
@@ -111,13 +97,6 @@ class _Episode:
     verdict: dict | None = None
     ranks: dict = dataclasses.field(default_factory=dict)
     """The ranks' published state when validation was asked for."""
-    levels: deque = dataclasses.field(default_factory=deque)
-    """The job's step time at each of the last ``worse_polls`` polls since the verdict."""
-    best_s: float = float("inf")
-    """The lowest median of those polls' step times since the verdict."""
-    named: dict | None = None
-    """The named verdict a re-examination started from: it stands if the round confirms
-    nothing new."""
 
 
 class Master:
@@ -192,35 +171,8 @@ class Master:
                         after_s=round(held_s, 2))
             ep.rounds = 0
             self._profile_again(ep)
-        elif ep.verdict is not None and ep.verdict["kind"] != "unknown" and self._got_worse(ep, ranks):
-            self._event("reexamining", why=f"the job got slower after the verdict: {ep.levels[-1]:.3g} s a step "
-                                           f"against {ep.best_s:.3g} s at its best since",
-                        after_s=round(time.monotonic() - ep.verdict_at, 2), step_s=round(ep.levels[-1], 4),
-                        best_s=round(ep.best_s, 4))
-            ep.named, ep.rounds, ep.best_s = ep.verdict, 0, float("inf")
-            ep.levels.clear()
-            self._profile_again(ep)
         else:
             store.set_plane_state(self.client, self.state)
-
-    def _got_worse(self, ep: _Episode, ranks: dict) -> bool:
-        """Whether the job's step time (the median rank's recent one) stayed
-        ``worse_fraction`` above its best since the verdict for the last ``worse_polls``
-        polls; its best is the lowest median of that many polls in a row, so that one
-        quick iteration does not set it. Only ranks whose trackers are locked count: a
-        tracker re-locking after a re-split emits no iterations for a few steps, and its
-        recent time is the one from before the plan (0.99 s read for 0.40 s steps)."""
-        current = [float(s["current_s"]) for s in ranks.values()
-                   if s.get("current_s") not in (None, "") and s.get("period") not in (None, "")]
-        if 2 * len(current) < len(ranks):
-            return False
-        ep.levels.append(float(np.median(current)))
-        if len(ep.levels) > self.config.worse_polls:
-            ep.levels.popleft()
-        if len(ep.levels) < self.config.worse_polls:
-            return False
-        ep.best_s = min(ep.best_s, float(np.median(ep.levels)))
-        return min(ep.levels) > (1 + self.config.worse_fraction) * ep.best_s
 
     def _profile_again(self, ep: _Episode) -> None:
         ep.votes.clear()
@@ -319,14 +271,6 @@ class Master:
         if again:
             self._profile_again(ep)
             return
-        if verdict["kind"] == "unknown" and ep.named is not None:
-            # A re-examination that confirmed nothing new: the named verdict stands
-            # (its mitigation stays in force), and the slower pace becomes the new mark.
-            ep.verdict, ep.named = ep.named, None
-            self._event("verdict_stands", verdict=ep.verdict, why="the re-examination confirmed nothing new")
-            self._set("tracking")
-            return
-        ep.named = None
         ep.verdict = verdict
         ep.verdict_at = time.monotonic()
         ep.unknowns += verdict["kind"] == "unknown"
