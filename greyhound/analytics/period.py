@@ -68,6 +68,9 @@ __all__ = [
 # More distinct symbols than this are rare in real traces; the rarest are pooled into
 # one symbol so the FFT cost stays bounded (one FFT per symbol).
 _MAX_TOKENS = 32
+SHRINK_MAX_PERIOD = 512
+"""Periods up to this are checked at every shorter lag for a shrunk pattern (p^2
+comparisons a suspicious iteration); longer ones at their divisors only."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -401,6 +404,13 @@ class ClockConfig:
     """Consecutive iterations in which fewer than ``relock_match`` of the calls equal
     the call one period later, or that repeat whole at a divisor of the period, end the
     lock (the pattern changed)."""
+    relock_shrunk_blocks: int = 2
+    """Consecutive iterations that each repeat whole at a shorter lag end the lock
+    sooner than ``relock_blocks``: the pattern shrank (an S2 split that gives a stage
+    fewer micro-batches), and one iteration of the old period spans several new ones.
+    With ``relock_blocks`` alone, a stage going from 14 micro-batches to 2 kept its old
+    lock for 55 new steps (28 s of the reference job), reporting each 3.4 steps as one
+    slow iteration: the master read the job 3x slower than it ran."""
     relock_match: float = 0.95
     """See ``relock_blocks``. A pipeline stage's calls are a few tokens (its sends and
     receives, sizes varying): after an S2 re-split of its micro-batches the old period
@@ -422,10 +432,11 @@ class ClockConfig:
             raise ValueError(f"verify_calls must be >= 0, got {self.verify_calls!r}")
         if self.max_period is not None and self.max_period < 1:
             raise ValueError(f"max_period must be >= 1, got {self.max_period!r}")
-        if min(self.min_periods, self.relock_blocks, self.confirm_calls,
+        if min(self.min_periods, self.relock_blocks, self.relock_shrunk_blocks, self.confirm_calls,
                self.confirm_periods) < 1:
             raise ValueError(
-                "min_periods, relock_blocks, confirm_calls and confirm_periods must be >= 1"
+                "min_periods, relock_blocks, relock_shrunk_blocks, confirm_calls and confirm_periods "
+                "must be >= 1"
             )
         for name in ("min_match", "relock_match"):
             if not 0.0 <= getattr(self, name) <= 1.0:
@@ -516,7 +527,8 @@ class IterationClock:
     Re-locking, only on evidence: when ``relock_blocks`` consecutive iterations have
     fewer than ``relock_match`` of their calls equal to the call one period later, or
     repeat whole at a divisor of the period (the pattern changed: a new parallel
-    layout, a re-split of micro-batches), the lock ends at the first of them, and the
+    layout, a re-split of micro-batches), or ``relock_shrunk_blocks`` of them repeat
+    whole at a shorter lag (the pattern shrank), the lock ends at the first of them, and the
     search starts again from there. Such evidence counts only after the lock has held
     for one iteration (else a lock could end at its own first call, and be found there
     again). A young lock's check that finds another period, on calls whose pattern held
@@ -548,7 +560,7 @@ class IterationClock:
         self._disproved: set[int] = set()
         self._next_start = 0
         self._eval_start = 0
-        self._bad_run = 0
+        self._bad_run = self._shrunk_run = 0
         self._held = False
         self._bad_from = 0
         self.last_period: int | None = None
@@ -916,7 +928,7 @@ class IterationClock:
         self.last_period = seg.period
         self._next_start = seg.start_call
         self._eval_start = seg.start_call
-        self._bad_run = 0
+        self._bad_run = self._shrunk_run = 0
         self._held = False
 
     def _verify_due(self) -> int | None:
@@ -963,7 +975,7 @@ class IterationClock:
         if not self.segments:
             self.first_start = 0
         self._seg = None
-        self._bad_run = 0
+        self._bad_run = self._shrunk_run = 0
         if found is None or found in self._disproved:
             return
         cand = self._candidate(max(self._origin, c - self.config.window), c, (found, use_bytes))
@@ -1010,11 +1022,13 @@ class IterationClock:
         count = (n - e0 - 2 * p) // p + 1 if n - e0 >= 2 * p else 0
         if count > 0:
             bad = self._blocks(e0, count, p, p, use_bytes).mean(axis=1) < self.config.relock_match
+            divisor = np.zeros(count, dtype=bool)
             for prime in _prime_factors(p):
                 # The iteration repeats at p / prime too: the pattern shrank to a divisor
                 # of the period (an S2 split of 8 micro-batches down to 2: 18 calls a
                 # step, then 6, and every call still equals the one 18 later).
-                bad |= self._blocks(e0, count, p, p // prime, use_bytes).all(axis=1)
+                divisor |= self._blocks(e0, count, p, p // prime, use_bytes).all(axis=1)
+            bad |= divisor
             done = count
             for r in range(count):
                 # Evidence counts once the lock has held for an iteration: a period the
@@ -1026,11 +1040,14 @@ class IterationClock:
                     if self._bad_run == 0:
                         self._bad_from = e0 + r * p
                     self._bad_run += 1
-                    if self._bad_run >= self.config.relock_blocks:
+                    shrunk = divisor[r] or self._repeats_sooner(e0 + r * p, p, use_bytes)
+                    self._shrunk_run = self._shrunk_run + 1 if shrunk else 0
+                    if self._bad_run >= self.config.relock_blocks or \
+                            self._shrunk_run >= self.config.relock_shrunk_blocks:
                         trigger, done = e0 + r * p, r + 1
                         break
                 else:
-                    self._bad_run = 0
+                    self._bad_run = self._shrunk_run = 0
             self._eval_start = e0 + done * p
         if seg.backward:
             self._emit_backward(times, avail, starts, trigger, n)
@@ -1062,6 +1079,16 @@ class IterationClock:
                 self._next_start = s0 + stop * p
         return self._end_lock(trigger)
 
+    def _repeats_sooner(self, lo: int, p: int, use_bytes: bool) -> bool:
+        """Whether each call of the iteration of ``p`` calls from ``lo`` equals the call
+        ``q`` later, for one lag 0 < q < p (calls up to lo + 2p - 1 are in). Costs p^2
+        comparisons: above ``SHRINK_MAX_PERIOD`` only the divisor lags are looked at."""
+        if p < 2 or p > SHRINK_MAX_PERIOD:
+            return False
+        tokens, _ = self._tokens(lo, lo + 2 * p - 1, use_bytes)
+        later = np.lib.stride_tricks.sliding_window_view(tokens[1:], p)
+        return bool((later == tokens[:p]).all(axis=1).any())
+
     def _end_lock(self, trigger: int | None) -> bool:
         if trigger is None:
             return False
@@ -1076,7 +1103,7 @@ class IterationClock:
         self._origin = self._bad_from
         self._check = self._origin + self.config.first_check
         self._disproved = set()
-        self._bad_run = 0
+        self._bad_run = self._shrunk_run = 0
         return True
 
     def _emit_backward(
