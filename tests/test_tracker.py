@@ -270,14 +270,18 @@ def test_a_re_split_to_more_or_fewer_micro_batches_and_back_is_locked_each_time(
     assert [s.first_iteration for s in clock.segments] == [0, 149, 209]
 
 
+def _stage0_calls(microbatches: int, count: int) -> np.ndarray:
+    """Ops of ``count`` steps of the reference job's stage 0: per micro-batch a send and
+    a receive, then the gradient all-reduce (op 3, on its own communicator) and the
+    plan broadcast."""
+    return np.array(([1] * microbatches + [2] * microbatches + [3, 4]) * count)
+
+
 def test_a_pattern_that_shrinks_to_a_divisor_of_the_period_is_locked_again():
     # Stage 0 of the reference job: 8 micro-batches are 8 sends, 8 receives, the
     # gradient all-reduce and the plan broadcast (18 calls); an S2 split of 2 leaves 6,
     # and every call still equals the one 18 later.
-    def steps(microbatches, count):
-        one = [1] * microbatches + [2] * microbatches + [3, 4]
-        return np.array(one * count)
-    op = np.concatenate((steps(8, 150), steps(2, 200)))
+    op = np.concatenate((_stage0_calls(8, 150), _stage0_calls(2, 200)))
     comm = np.where(op == 3, 7, 9)
     t = np.cumsum(np.full(len(op), 1e-3))
     clock = IterationClock()
@@ -292,11 +296,9 @@ def test_a_pattern_that_shrinks_ends_the_lock_within_a_few_old_iterations(microb
     # 8 micro-batches (18 calls a step), then 2 or 3 (6 or 8: a divisor of 18 or not).
     # One old iteration spans 2-3 new steps, each reported as one slow iteration while
     # the lock lasts: the lock must go within 5 old iterations of the change (it took
-    # 12, 27-36 new steps, when every shrink waited for relock_blocks).
-    def steps(count, per_step):
-        return np.array(([1] * per_step + [2] * per_step + [3, 4]) * count)
+    # 160 calls here, about 9, when every shrink waited for relock_blocks).
     change = 18 * 150
-    op = np.concatenate((steps(150, 8), steps(200, microbatches)))
+    op = np.concatenate((_stage0_calls(8, 150), _stage0_calls(microbatches, 200)))
     comm = np.where(op == 3, 7, 9)
     t = np.cumsum(np.full(len(op), 1e-3))
     clock = IterationClock()
