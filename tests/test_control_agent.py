@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from greyhound.control.agent import HISTORY_POLLS, RECENT_POLLS, _Process
+from greyhound.control.agent import HISTORY_POLLS, MIN_ITERATIONS, RECENT_POLLS, _Process
 
 
 def test_work_per_iteration_recently_and_before():
@@ -39,3 +39,28 @@ def test_recent_median_is_numpys_median_of_the_last_three():
     for n in (1, 2, 3, 4, 9):
         times = rng.random(n)
         assert recent_median(times) == float(np.median(times[-3:]))
+
+
+def test_running_figures_equal_the_sums_over_the_kept_polls():
+    # The figures are kept as running sums: after every poll they must equal the sums
+    # over the last HISTORY_POLLS polls worked out afresh, however many came before.
+    import random
+
+    rng = random.Random(3)
+    proc = _Process(reader=None, tracker=None)
+    kept: list[tuple[float, float, int]] = []
+    for _ in range(4 * HISTORY_POLLS):
+        wall = rng.uniform(0.4, 0.6)
+        poll = (wall, rng.uniform(0.0, wall), rng.choice((0, 1, 2, 5)))
+        proc.polls.append(poll)
+        kept = [*kept, poll][-HISTORY_POLLS:]
+        recent, before = kept[-RECENT_POLLS:], kept[:-RECENT_POLLS]
+
+        def per_iteration(polls):
+            k = sum(p[2] for p in polls)
+            return None if k < MIN_ITERATIONS else pytest.approx(sum(p[0] - p[1] for p in polls) / k, abs=1e-9)
+
+        assert proc.compute_per_iteration() == (per_iteration(recent), per_iteration(before))
+        share = 1 - sum(p[1] for p in recent) / sum(p[0] for p in recent)
+        assert proc.compute_share() == pytest.approx(share, abs=1e-9)
+        assert len(proc.polls) == len(kept)

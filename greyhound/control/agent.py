@@ -45,8 +45,9 @@ class AgentConfig:
     comm_window_iterations: int = 10
     """Iterations the per-communicator figures cover."""
     comm_every_polls: int = 4
-    """Polls between updates of the per-communicator figures (profiling reads them) and
-    appends to the published iteration times."""
+    """Polls between updates of the per-communicator figures (profiling reads them),
+    appends to the published iteration times, and updates of the figures only
+    ``greyhound status`` shows (``window_s``, ``counters``)."""
     summary_every_polls: int = 20
     """Polls between full recomputations of a rank's slow interval and baseline when
     no change point came (a change point recomputes them at once)."""
@@ -60,6 +61,40 @@ class AgentConfig:
             raise ValueError(f"comm_window_iterations={self.comm_window_iterations} must be >= 1")
 
 
+class PollWindow:
+    """(wall, inside calls, iterations completed) of a rank's last ``HISTORY_POLLS``
+    polls, with running sums over the newest ``RECENT_POLLS`` (:attr:`recent`) and the
+    ones before them (:attr:`older`): both are read every poll, and summing seventy
+    tuples was a fifth of a rank's publish. Seconds are kept as integer nanoseconds,
+    so the running sums are exact however long the job runs."""
+
+    def __init__(self) -> None:
+        self._recent: collections.deque[tuple[int, int, int]] = collections.deque()
+        self._older: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.recent = (0, 0, 0)
+        self.older = (0, 0, 0)
+
+    def append(self, poll: tuple[float, float, int]) -> None:
+        wall_s, blocked_s, iterations = poll
+        entry = (round(wall_s * 1e9), round(blocked_s * 1e9), int(iterations))
+        self._recent.append(entry)
+        self.recent = _plus(self.recent, entry)
+        if len(self._recent) > RECENT_POLLS:
+            moved = self._recent.popleft()
+            self.recent = _plus(self.recent, moved, -1)
+            self._older.append(moved)
+            self.older = _plus(self.older, moved)
+            if len(self._older) > HISTORY_POLLS - RECENT_POLLS:
+                self.older = _plus(self.older, self._older.popleft(), -1)
+
+    def __len__(self) -> int:
+        return len(self._recent) + len(self._older)
+
+
+def _plus(sums: tuple[int, int, int], entry: tuple[int, int, int], sign: int = 1) -> tuple[int, int, int]:
+    return sums[0] + sign * entry[0], sums[1] + sign * entry[1], sums[2] + sign * entry[2]
+
+
 @dataclasses.dataclass
 class _Process:
     """One training process on this node: its ring and its tracker."""
@@ -71,7 +106,7 @@ class _Process:
     """The published iteration times were withdrawn: send the list anew."""
     summary_cache: tuple | None = None
     """(change points seen, the slow-interval fields) of the last full summary."""
-    polls: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=HISTORY_POLLS))
+    polls: PollWindow = dataclasses.field(default_factory=PollWindow)
     """(wall seconds, seconds inside calls, iterations completed) of the recent polls."""
     last_poll: float | None = None
     sent: dict = dataclasses.field(default_factory=dict)
@@ -79,11 +114,10 @@ class _Process:
 
     def compute_share(self) -> float | None:
         """Fraction of the recent wall time the process spent outside communication calls."""
-        recent = list(self.polls)[-RECENT_POLLS:]
-        wall = sum(w for w, _, _ in recent)
+        wall, blocked, _ = self.polls.recent
         if wall <= 0:
             return None
-        return max(0.0, 1.0 - sum(b for _, b, _ in recent) / wall)
+        return max(0.0, 1.0 - blocked / wall)
 
     def compute_per_iteration(self) -> tuple[float | None, float | None]:
         """(recent, baseline) seconds a training iteration spends outside communication
@@ -94,15 +128,14 @@ class _Process:
         against its own past is the compute straggler, whatever its pipeline stage
         (stages differ in their share of compute; a rank is compared with itself).
         """
-        polls = list(self.polls)
-        return _per_iteration(polls[-RECENT_POLLS:]), _per_iteration(polls[:-RECENT_POLLS])
+        return _per_iteration(self.polls.recent), _per_iteration(self.polls.older)
 
 
-def _per_iteration(polls: list[tuple[float, float, int]]) -> float | None:
-    iterations = sum(k for _, _, k in polls)
+def _per_iteration(sums: tuple[int, int, int]) -> float | None:
+    wall, blocked, iterations = sums
     if iterations < MIN_ITERATIONS:
         return None
-    return max(0.0, sum(w - b for w, b, _ in polls)) / iterations
+    return max(0, wall - blocked) / iterations * 1e-9
 
 
 RECENT_POLLS = 10
@@ -306,7 +339,8 @@ class NodeAgent:
                 "baseline_s": None if not n else float(detection.baseline_iteration_time),
                 "slowdown": None if slow is None else round(float(slow.slowdown), 4),
                 "slow_since": None if slow is None else slow.start_index,
-                "changepoints": [c.as_dict() for c in detection.changepoints[-5:]],
+                # Encoded once here, not at every publish of the unchanged list.
+                "changepoints": store.dumps([c.as_dict() for c in detection.changepoints[-5:]]),
             })
             proc.summary_cache = cached
         times = tracker.iteration_times
@@ -375,14 +409,17 @@ class NodeAgent:
                 first = 0 if restart else proc.published_iterations
                 new = tracker.iteration_times[max(first, n - store.ITERATIONS_KEPT):].tolist()
                 proc.published_iterations = n
-            window = tracker.iteration_times[-self.config.comm_window_iterations:]
-            store.publish_rank(pipe, rank, new_times=new, restart=restart, fields={
+            fields = {
                 "node": self.node, "pid": info.pid, **self.summary(proc),
-                "window_s": float(window.mean()) if len(window) else None,
                 "compute_share": proc.compute_share(),
                 **dict(zip(("compute_s", "compute_base_s"), proc.compute_per_iteration())),
-                "counters": proc.reader.counters(),
-            }, comms=self.comm_stats(proc) if with_comms else None, sent=proc.sent)
+            }
+            if with_comms:      # shown by `greyhound status` only: no decision waits for them
+                window = tracker.iteration_times[-self.config.comm_window_iterations:]
+                fields["window_s"] = float(window.mean()) if len(window) else None
+                fields["counters"] = proc.reader.counters()
+            store.publish_rank(pipe, rank, new_times=new, restart=restart, fields=fields,
+                               comms=self.comm_stats(proc) if with_comms else None, sent=proc.sent)
         pipe.hset(store.agent_key(self.node), mapping={
             "heartbeat": time.time(), "ranks": store.dumps(sorted(ranks)),
             "cpu_s": time.process_time(),
