@@ -1031,24 +1031,28 @@ class IterationClock:
                 divisor |= self._blocks(e0, count, p, p // prime, use_bytes).all(axis=1)
             bad |= divisor
             done = count
-            for r in range(count):
-                # Evidence counts once the lock has held for an iteration: a period the
-                # search found on calls that match it 90-95% (or that repeat at a divisor
-                # too) would otherwise end at its own first call, and be found and ended
-                # there again forever (an agent spun on one rank's calls).
-                self._held = self._held or not bad[r]
-                if bad[r] and self._held:
-                    if self._bad_run == 0:
-                        self._bad_from = e0 + r * p
-                    self._bad_run += 1
-                    shrunk = divisor[r] or self._repeats_sooner(e0 + r * p, p, use_bytes)
-                    self._shrunk_run = self._shrunk_run + 1 if shrunk else 0
-                    if self._bad_run >= self.config.relock_blocks or \
-                            self._shrunk_run >= self.config.relock_shrunk_blocks:
-                        trigger, done = e0 + r * p, r + 1
-                        break
-                else:
-                    self._bad_run = self._shrunk_run = 0
+            if not bad.any():       # the usual feed: every iteration as the lock has it
+                self._held = True
+                self._bad_run = self._shrunk_run = 0
+            else:
+                for r in range(count):
+                    # Evidence counts once the lock has held for an iteration: a period the
+                    # search found on calls that match it 90-95% (or that repeat at a divisor
+                    # too) would otherwise end at its own first call, and be found and ended
+                    # there again forever (an agent spun on one rank's calls).
+                    self._held = self._held or not bad[r]
+                    if bad[r] and self._held:
+                        if self._bad_run == 0:
+                            self._bad_from = e0 + r * p
+                        self._bad_run += 1
+                        shrunk = divisor[r] or self._repeats_sooner(e0 + r * p, p, use_bytes)
+                        self._shrunk_run = self._shrunk_run + 1 if shrunk else 0
+                        if self._bad_run >= self.config.relock_blocks or \
+                                self._shrunk_run >= self.config.relock_shrunk_blocks:
+                            trigger, done = e0 + r * p, r + 1
+                            break
+                    else:
+                        self._bad_run = self._shrunk_run = 0
             self._eval_start = e0 + done * p
         if seg.backward:
             self._emit_backward(times, avail, starts, trigger, n)

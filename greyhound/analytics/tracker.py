@@ -207,7 +207,7 @@ class RankTracker:
             raise ValueError(f"tracker: lost must be >= 0, got {lost!r}")
         self.reported_lost += int(lost)
         self.num_records += len(records)
-        gap = self._count_gaps(records["seq"].astype(np.int64))
+        gap = self._count_gaps(records["seq"])
         is_call = IS_CALL[records["op"]]
         # Most batches are calls only (no WAIT or DONE records): no copy then.
         only_calls = bool(is_call.all())
@@ -267,10 +267,15 @@ class RankTracker:
     def _count_gaps(self, seq: np.ndarray) -> int:
         if not len(seq):
             return 0
-        if int(seq[0]) == self._last_seq + 1 and (len(seq) == 1 or bool((np.diff(seq) == 1).all())):
-            self._last_seq = int(seq[-1])     # consecutive, the usual case: no gap
+        # In ring order seq only grows: a batch whose first and last are one batch
+        # apart, next to the last one seen, is consecutive (the usual case: two
+        # reads, where a pass over the batch was a tenth of a feed).
+        first, last = int(seq[0]), int(seq[-1])
+        if first == self._last_seq + 1 and last == first + len(seq) - 1:
+            self._last_seq = last
             self._gap_at = -1
             return 0
+        seq = seq.astype(np.int64)
         expected = np.concatenate(([self._last_seq + 1], seq[:-1] + 1))
         gaps = np.maximum(seq - expected, 0)
         self._last_seq = max(self._last_seq, int(seq[-1]))
