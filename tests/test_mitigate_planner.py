@@ -187,6 +187,23 @@ def test_unvalidated_or_link_verdicts_and_jobs_without_the_training_side_get_no_
     assert [e["kind"] for e in read_events(run_dir)] == ["mitigation_skipped"]
 
 
+def test_a_straggler_no_split_helps_gets_no_plan_and_stays_open_to_the_next_rung(job):
+    run_dir, client = job
+    planner = Planner(client, run_dir)
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    # Rank 5's own work 10% up: 8 x 1.1 = 8.8 s, while [9, 7] takes 9 s (the
+    # healthy replica's ninth micro-batch): the even split is already the best.
+    planner.on_verdict(VERDICT, _ranks({5: 0.055}))
+    assert client.get(store.PLAN) is None and not planner.stragglers
+    [event] = read_events(run_dir)
+    assert (event["kind"], event["level"], event["microbatch_split"]) == ("mitigation_skipped", "S2", [8, 8])
+    assert "rank 5 at 1.10x" in event["why"], event
+    assert planner.s4 is not None and planner.s4["nodes"] == ["n3"]      # S4's ski-rental decides
+    # Slower, it is worth a split after all.
+    planner.on_verdict(VERDICT, _ranks({5: 0.15}))
+    assert json.loads(client.get(store.PLAN))["microbatch_split"] == [12, 4] and planner.s4 is None
+
+
 def test_the_training_side_is_inert_outside_mitigate_mode(monkeypatch, tmp_path):
     monkeypatch.setenv("GREYHOUND_MODE", "detect")
     monkeypatch.setenv("GREYHOUND_RUN_DIR", str(tmp_path))

@@ -33,7 +33,9 @@ cluster: the job 1.26x slower than on its own split).
 
 S4 (checkpoint and requeue without the bad node), for what S2 cannot help: a validated
 link fail-slow named at one node, or a compute straggler in a job that cannot re-split
-(it does not call greyhound.mitigate, or has one replica). Ski-rental: the job keeps
+(it does not call greyhound.mitigate, or has one replica) or that no split helps (a
+mild one: 10% slower under 8 + 8 micro-batches, the even split is already the best;
+a plan that changed nothing would cost a switch and report a mitigation). Ski-rental: the job keeps
 running slow while the time lost so far is below what a restart costs (the job's own
 start-up, measured from the control plane's start to every rank's first iteration,
 plus Slurm's hold on a requeued job and one step for the checkpoint); once the loss
@@ -256,6 +258,25 @@ class Planner:
                     self._s3_candidate(layout, ranks, bandwidth=bandwidth, slow_links=slow,
                                        why=f"link fail-slow at {verdict.get('where')}")
             return
+        if not self.stragglers and len(found) == 1:
+            default = self._current_split(layout)
+            plan, _ = self._best_split(layout, found)
+            if list(plan.allocation) == default:
+                # A mild straggler (a 10% slower GPU under 8 + 8 micro-batches): moving
+                # one micro-batch costs more than it saves. A plan that changes nothing
+                # would cost a switch and report a mitigation; the ladder's next rungs
+                # stay open to it.
+                append_event(self.run_dir, "mitigation_skipped", level="S2", microbatch_split=default,
+                             why=f"straggler {_ranks_text(found)}: no split of the {sum(default)} micro-batches "
+                                 f"is faster than {default}")
+                nodes = s4_nodes(verdict)
+                if nodes and self.s4 is None:
+                    self.s4 = {"nodes": nodes, "stragglers": sorted(found),
+                               "why": f"{verdict['kind']} fail-slow at {verdict.get('where')}, "
+                                      "which no micro-batch split helps"}
+                return
+        if self.s4 is not None and "version" not in self.s4 and set(self.s4.get("stragglers", ())) & set(found):
+            self.s4 = None      # slower now, S2 helps it: the lower rung first
         self.stragglers.update(found)
         # Every straggler's work is measured again around the new plan (an earlier
         # straggler's healthy base stays what it was before its fail-slow). A figure
@@ -505,11 +526,15 @@ class Planner:
         raw = self.client.get(PLAN_KEY)
         return list(json.loads(raw)["microbatch_split"] if raw else layout["microbatch_split"])
 
+    def _best_split(self, layout: dict, stragglers: dict[int, float]):
+        """S2's exact split for these stragglers under the placement in force, and the
+        replicas' seconds per micro-batch it was solved for."""
+        times = replica_seconds(self._replicas(layout, self._applied()), stragglers)
+        return split_microbatches(times, total=sum(layout["microbatch_split"])), times
+
     def _publish(self, layout: dict, ranks: dict, *, why: str) -> None:
         default = list(layout["microbatch_split"])
-        replicas = self._replicas(layout, self._applied())
-        times = replica_seconds(replicas, self.stragglers)
-        plan = split_microbatches(times, total=sum(default))
+        plan, times = self._best_split(layout, self.stragglers)
         self.version += 1
         self._polls_applied = self._recovered_polls = 0
         self._write_plan(list(plan.allocation), level="S2", why=why)
