@@ -364,6 +364,49 @@ def test_a_link_under_the_dp_rings_gets_a_placement_that_puts_it_under_pipeline_
     assert json.loads(client.get(store.PLAN))["microbatch_split"] == [12, 4]
 
 
+def test_a_compute_straggler_clearly_slow_beside_a_link_gets_s2_once_the_links_move_is_made(job):
+    # The end-to-end benchmark's compound phase: a link named at n2 and, beside it,
+    # rank 6's GEMM 10x with its own work 3x. S2 waits for S3's move: made before it,
+    # the split would stay with replicas the move reshuffles.
+    run_dir, client = job
+    nodes = ["n1", "n1", "n2", "n2", "n3", "n3", "n4", "n4"]
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    _board(client, nodes)
+    ranks = {r: {**state, "node": nodes[r]} for r, state in _ranks({6: 0.15}).items()}
+    verdict = {**LINK_VERDICT, "also": [{"kind": "compute", "ranks": [6], "nodes": ["n4"], "where": "rank 6 on n4",
+                                         "strength": 10.0}]}
+    planner = Planner(client, run_dir)
+    planner.on_verdict(verdict, ranks)
+    assert client.get(store.PLAN) is None and not planner.stragglers
+    planner.poll(ranks)                                                     # lost 5 s: the move
+    plan = json.loads(client.get(store.PLAN))
+    assert (plan["version"], plan["level"], plan["microbatch_split"]) == (1, "S3", [8, 8])
+    client.set(store.TRAINING_APPLIED, json.dumps({"version": 1, "step": 90, "microbatch_split": [8, 8],
+                                                   "placement": plan["placement"]}))
+    client.set(store.TRAINING_RELAID, json.dumps({"version": 1, "step": 90, "pause_s": 0.4, "bytes": 123}))
+    planner.poll(ranks)
+    after = json.loads(client.get(store.PLAN))
+    # Rank 6's replica under the new placement gives micro-batches away: 4 x 3 = 12 x 1.
+    mine = plan["placement"][6][0]
+    assert (after["version"], after["level"]) == (2, "S2") and "placement" not in after
+    assert after["microbatch_split"][mine] == 4 and sum(after["microbatch_split"]) == 16
+    assert planner.stragglers == {6: 3.0}
+    assert [e["kind"] for e in read_events(run_dir)] == ["mitigation", "relaid", "mitigation"]
+    assert planner.s4 is not None and planner.s4["nodes"] == ["n2"]      # the link stays S4's candidate
+
+
+def test_beside_a_link_a_gemm_the_link_may_have_slowed_or_a_rank_without_its_own_rise_gets_no_s2(job):
+    run_dir, client = job
+    nodes = ["n1", "n1", "n2", "n2", "n3", "n3", "n4", "n4"]
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    _board(client, nodes)
+    for gemm, compute in ((2.2, 0.15), (10.0, None)):
+        planner = Planner(client, run_dir)
+        ranks = {r: {**state, "node": nodes[r]} for r, state in _ranks({6: compute}).items()}
+        planner.on_verdict({**LINK_VERDICT, "also": [{"kind": "compute", "ranks": [6], "strength": gemm}]}, ranks)
+        assert planner.s3 is not None and "then_s2" not in planner.s3, (gemm, compute)
+
+
 def _two_stragglers(job, second: int):
     """A verdict naming rank 2 (replica 0's stage 2) and ``second``, both 3x slow, and
     the planner's plans after it and after one more poll."""

@@ -31,6 +31,13 @@ under the plan (:func:`healthy_work_s`); within ``end_drop`` of it is recovered 
 Without that, a plan that came late stayed to the end of the job (13,3 on the local
 cluster: the job 1.26x slower than on its own split).
 
+S3 (a new placement, moved in memory): for a validated link fail-slow, the placement
+that moves the job's heavy traffic off the slow link (placement.py); for compute
+stragglers in several replicas, the exchanges that gather them into the fewest
+(gather.py). Both wait until the loss reaches the move's cost. A link verdict with a
+compute straggler clearly slow beside it (a compound fail-slow) gets the move first
+and S2 for the straggler once the move is made, over the replicas it made.
+
 S4 (checkpoint and requeue without the bad node), for what S2 cannot help: a validated
 link fail-slow named at one node, or a compute straggler in a job that cannot re-split
 (it does not call greyhound.mitigate, or has one replica) or that no split helps (a
@@ -240,24 +247,42 @@ class Planner:
         return json.loads(raw) if raw else {}
 
     def on_verdict(self, verdict: dict, ranks: dict) -> None:
-        """A validated compute straggler (the verdict's lead or one beside it): S2;
-        what S2 cannot help: an S4 candidate."""
+        """A validated compute straggler (the verdict's lead or one beside it): S2. A
+        validated link fail-slow: an S3 candidate, and S2 for a compute straggler
+        clearly slow beside it once the move is made. What neither can help: an S4
+        candidate."""
         found = _compute_findings(verdict, ranks)
         layout = self._layout()
-        if not verdict.get("validated") or not found or layout is None or len(layout["replicas"]) < 2:
-            if found and verdict.get("validated"):
+        validated = bool(verdict.get("validated"))
+        if validated and verdict.get("kind") == "link" and layout is not None:
+            slow, bandwidth = topology.slow_links_of(verdict)
+            if slow and bandwidth and self.s3 is None:
+                self._s3_candidate(layout, ranks, bandwidth=bandwidth, slow_links=slow,
+                                   why=f"link fail-slow at {verdict.get('where')}")
+                if found and self.s3 is not None:
+                    # S2's split follows the move: made now, over the replicas before it,
+                    # it would stay with replicas the move reshuffles.
+                    self.s3["then_s2"] = {"found": found, **_findings_place(verdict, found)}
+                    found = {}
+        if not validated or not found or layout is None or len(layout["replicas"]) < 2:
+            if found and validated:
                 append_event(self.run_dir, "mitigation_skipped", level="S2",
                              why="the training processes do not call greyhound.mitigate (no layout on the board)"
                              if layout is None else "the job has one DP replica: nothing to re-split")
             nodes = s4_nodes(verdict)
             if nodes and self.s4 is None:
                 self.s4 = {"nodes": nodes, "why": f"{verdict['kind']} fail-slow at {verdict.get('where')}"}
-            if verdict.get("validated") and verdict.get("kind") == "link" and layout is not None:
-                slow, bandwidth = topology.slow_links_of(verdict)
-                if slow and bandwidth:
-                    self._s3_candidate(layout, ranks, bandwidth=bandwidth, slow_links=slow,
-                                       why=f"link fail-slow at {verdict.get('where')}")
             return
+        if verdict.get("kind") == "link":
+            # S2 alone (no move to wait for); the link stays S4's candidate.
+            nodes = s4_nodes(verdict)
+            if nodes and self.s4 is None:
+                self.s4 = {"nodes": nodes, "why": f"link fail-slow at {verdict.get('where')}"}
+        self._s2(layout, ranks, found, **_findings_place(verdict, found))
+
+    def _s2(self, layout: dict, ranks: dict, found: dict[int, float], *, nodes: list[str], where: str) -> None:
+        """S2 for the compute stragglers ``found`` (rank -> slowness) at ``where`` (on
+        ``nodes``), over the placement in force; S3 gathers them where they are several."""
         if not self.stragglers and len(found) == 1:
             default = self._current_split(layout)
             plan, _ = self._best_split(layout, found)
@@ -269,11 +294,9 @@ class Planner:
                 append_event(self.run_dir, "mitigation_skipped", level="S2", microbatch_split=default,
                              why=f"straggler {_ranks_text(found)}: no split of the {sum(default)} micro-batches "
                                  f"is faster than {default}")
-                nodes = s4_nodes(verdict)
-                if nodes and self.s4 is None:
+                if len(nodes) == 1 and self.s4 is None:
                     self.s4 = {"nodes": nodes, "stragglers": sorted(found),
-                               "why": f"{verdict['kind']} fail-slow at {verdict.get('where')}, "
-                                      "which no micro-batch split helps"}
+                               "why": f"compute fail-slow at {where}, which no micro-batch split helps"}
                 return
         if self.s4 is not None and "version" not in self.s4 and set(self.s4.get("stragglers", ())) & set(found):
             self.s4 = None      # slower now, S2 helps it: the lower rung first
@@ -426,6 +449,10 @@ class Planner:
                 append_event(self.run_dir, "relaid", level="S3", version=s3["version"], step=relaid.get("step"),
                              pause_s=self.relaid_s, bytes=relaid.get("bytes"), cost_s=s3["cost_s"])
                 self.s3 = None
+                layout = self._layout()
+                if "then_s2" in s3 and layout is not None:     # over the replicas the move made
+                    then = s3["then_s2"]
+                    self._s2(layout, ranks, then["found"], nodes=then["nodes"], where=then["where"])
             else:
                 s3["polls"] += 1
                 if s3["polls"] > self.config.relayout_polls:
@@ -565,26 +592,35 @@ def slow_loss(ranks: dict) -> tuple[float | None, float | None]:
             round(float(np.median(steps)), 3) if steps else None)
 
 
+BESIDE_LINK_GEMM_MIN = 4.0
+"""The GEMM ratio a compute finding beside a link lead needs to be taken for S2: twice
+the 2.2x a link at 1% of its bandwidth caused in the GEMM of a rank whose transfers it
+held (the end-to-end benchmark's compound phase: 10x, a CPU quota)."""
 UNMEASURED_GEMM_MIN = 2.0
 """The GEMM ratio a compute finding beside the lead needs when its rank has no work
 figure of its own (the GEMM then stands alone)."""
 
 
 def _compute_findings(verdict: dict, ranks: dict) -> dict[int, float]:
-    """rank -> slowness of each compute finding of a verdict led by a compute finding.
+    """rank -> slowness of each compute finding of a verdict.
 
     Validated means its GEMM was slow; how slow its training work is, is the rank's own
     work per iteration now over before (profiling's rise, against the rank itself: the
     rise over the median rank's read 30x once, when the others' work fell), or the
     job's slowdown where the rank has no figure from before, at most its GEMM's ratio.
-    A compute finding beside a link lead is left alone: a link at 1% of its bandwidth
-    slows the GEMM of a rank whose transfers it holds (measured 1.9x and 2.2x), and S2
-    cannot help a link.
+    Beside a link lead, a compute finding counts only with a GEMM of at least
+    ``BESIDE_LINK_GEMM_MIN`` and a rise of its own: a link at 1% of its bandwidth slows
+    the GEMM of a rank whose transfers it holds (measured 1.9x and 2.2x), and the job's
+    slowdown is then the link's.
     """
-    if verdict.get("kind") != "compute":
+    if verdict.get("kind") == "compute":
+        findings = [verdict, *verdict.get("also", [])]
+    elif verdict.get("kind") == "link":
+        findings = [f for f in verdict.get("also", []) if float(f.get("strength") or 1.0) >= BESIDE_LINK_GEMM_MIN]
+    else:
         return {}
     out = {}
-    for finding in [verdict, *verdict.get("also", [])]:
+    for finding in findings:
         if finding.get("kind") != "compute" or len(finding.get("ranks", [])) != 1:
             continue
         rank = int(finding["ranks"][0])
@@ -593,6 +629,8 @@ def _compute_findings(verdict: dict, ranks: dict) -> dict[int, float]:
         try:
             rise = float(state["compute_s"]) / float(state["compute_base_s"])
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            if verdict.get("kind") == "link":
+                continue        # beside a link, only a rank whose own work rose
             # No figure of its own from before (profiling named it by its share of
             # compute): the job's own slowdown, the pace its replica sets; beside the
             # lead, only for a GEMM clearly slow. A healthy rank's GEMM read 1.33x of
@@ -606,6 +644,16 @@ def _compute_findings(verdict: dict, ranks: dict) -> dict[int, float]:
         if slowness > 1:
             out[rank] = round(slowness, 3)
     return out
+
+
+def _findings_place(verdict: dict, found: dict[int, float]) -> dict:
+    """``nodes`` (the one node S4 would leave out, else none) and ``where`` of the
+    compute findings of ``verdict`` whose rank is in ``found``."""
+    mine = [f for f in [verdict, *verdict.get("also", [])]
+            if f.get("kind") == "compute" and len(f.get("ranks", [])) == 1 and int(f["ranks"][0]) in found]
+    nodes = sorted({str(n) for f in mine for n in f.get("nodes") or []})
+    return {"nodes": nodes if len(nodes) == 1 else [],
+            "where": ", ".join(str(f.get("where") or f"rank {f['ranks'][0]}") for f in mine)}
 
 
 def _ranks_text(stragglers: dict[int, float]) -> str:
