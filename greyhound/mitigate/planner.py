@@ -42,8 +42,8 @@ S4 (checkpoint and requeue without the bad node), for what S2 cannot help: a val
 link fail-slow named at one node, or a compute straggler in a job that cannot re-split
 (it does not call greyhound.mitigate, or has one replica) or that no split helps (a
 mild one: 10% slower under 8 + 8 micro-batches, the even split is already the best;
-a plan that changed nothing would cost a switch and report a mitigation). Ski-rental: the job keeps
-running slow while the time lost so far is below what a restart costs (the job's own
+a plan that changed nothing would cost a switch and report a mitigation).
+Ski-rental: the job keeps running slow while the time lost so far is below what a restart costs (the job's own
 start-up, measured from the control plane's start to every rank's first iteration,
 plus Slurm's hold on a requeued job and one step for the checkpoint); once the loss
 reaches the cost (break-even: never more than twice the better of the two choices in
@@ -264,20 +264,18 @@ class Planner:
                     # it would stay with replicas the move reshuffles.
                     self.s3["then_s2"] = {"found": found, **_findings_place(verdict, found)}
                     found = {}
-        if not validated or not found or layout is None or len(layout["replicas"]) < 2:
+        takes_s2 = validated and bool(found) and layout is not None and len(layout["replicas"]) >= 2
+        if not takes_s2 or verdict.get("kind") == "link":      # a link stays S4's candidate beside S2
+            nodes = s4_nodes(verdict)
+            if nodes and self.s4 is None:
+                self.s4 = {"nodes": nodes, "why": f"{verdict['kind']} fail-slow at {verdict.get('where')}"}
+        if not takes_s2:
             if found and validated:
                 append_event(self.run_dir, "mitigation_skipped", level="S2",
                              why="the training processes do not call greyhound.mitigate (no layout on the board)"
                              if layout is None else "the job has one DP replica: nothing to re-split")
-            nodes = s4_nodes(verdict)
-            if nodes and self.s4 is None:
-                self.s4 = {"nodes": nodes, "why": f"{verdict['kind']} fail-slow at {verdict.get('where')}"}
             return
-        if verdict.get("kind") == "link":
-            # S2 alone (no move to wait for); the link stays S4's candidate.
-            nodes = s4_nodes(verdict)
-            if nodes and self.s4 is None:
-                self.s4 = {"nodes": nodes, "why": f"link fail-slow at {verdict.get('where')}"}
+        assert layout is not None   # takes_s2 says so
         self._s2(layout, ranks, found, **_findings_place(verdict, found))
 
     def _s2(self, layout: dict, ranks: dict, found: dict[int, float], *, nodes: list[str], where: str) -> None:
@@ -449,8 +447,7 @@ class Planner:
                 append_event(self.run_dir, "relaid", level="S3", version=s3["version"], step=relaid.get("step"),
                              pause_s=self.relaid_s, bytes=relaid.get("bytes"), cost_s=s3["cost_s"])
                 self.s3 = None
-                layout = self._layout()
-                if "then_s2" in s3 and layout is not None:     # over the replicas the move made
+                if "then_s2" in s3 and (layout := self._layout()) is not None:   # over the replicas the move made
                     then = s3["then_s2"]
                     self._s2(layout, ranks, then["found"], nodes=then["nodes"], where=then["where"])
             else:
