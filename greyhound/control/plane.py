@@ -2,10 +2,13 @@
 greyhound.control.plane``, started by the SPANK plugin with ``srun --overlap``).
 
 Every rank is its node's agent; rank 0 is also the master and runs the job's Redis.
-Each poll: agents read their rings and publish, then the master decides (master.py),
-then every rank learns by broadcast whether the master asks for a validation round,
-which all ranks take part in (the pause is job-wide and the P2P tests run between
-nodes). A SIGTERM (the job ends, Slurm ends the step) stops the loop; the master then
+Each poll: agents read their rings and publish, then the master decides (master.py).
+When it asks for a validation round, it calls the other ranks into it with a one-byte
+message each, which they test for once a poll; all ranks take part in the round (the
+pause is job-wide and the P2P tests run between nodes). Nothing else passes between
+the ranks while the job is tracked: a barrier and a broadcast every poll were a third
+of a two-rank agent's CPU (each test of a request drives Open MPI's TCP transport).
+A SIGTERM (the job ends, Slurm ends the step) stops the loop; the master then
 marks the plane stopped and stops Redis.
 
 It fails open: whatever breaks here (Redis, a ring, MPI, this code), the training job
@@ -23,6 +26,8 @@ import socket
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from greyhound.control import mpi_wait, store
 from greyhound.control.agent import AgentConfig, NodeAgent
@@ -89,17 +94,20 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
         # The master beats while it waits for the others too: an agent slowed by a
         # congested link (its Redis round trips take seconds) is not a dead master.
         beat = master.heartbeat if master is not None else (lambda: None)
+        round_call = _RoundCall(comm)
         while not stop.requested:
             t0 = time.monotonic()
             agent.poll()
             agent.publish(client)
-            if not _together(comm, stop, beat):       # every agent has published this poll
-                break
             request = None
             if master is not None and not stop.requested:   # the job is ending: Redis may be gone
                 master.step()
                 request = master.take_request()
-            if _bcast_flag(comm, request is not None, stop, beat):
+                if request is not None:
+                    round_call.call()
+            if request is not None or round_call.called():
+                if not _together(comm, stop, beat):       # every agent is in (within a poll)
+                    break
                 outcome = validation_round(comm, agent, comm.bcast(request, root=0), nodes=nodes, beat=beat,
                                            stopped=lambda: stop.requested)
                 if master is not None:
@@ -177,12 +185,32 @@ def _together(comm, stop: _Stop, beat) -> bool:
     return _wait(comm.Ibarrier(), stop, beat)
 
 
-def _bcast_flag(comm, flag: bool, stop: _Stop, beat) -> bool:
-    """Rank 0's flag on every rank (False when a stop request interrupts it)."""
-    import numpy as np
+class _RoundCall:
+    """Rank 0 calls the other ranks into a validation round: a one-byte message to each,
+    which they test for once a poll (one test, not a collective: an idle agent costs
+    nothing in MPI). They join within a poll; the round starts with a barrier."""
 
-    buf = np.array([1 if flag else 0], dtype=np.int8)
-    return _wait(comm.Ibcast(buf, root=0), stop, beat) and bool(buf[0])
+    TAG = 0x6772    # "gr"
+    _ONE = np.ones(1, dtype=np.int8)   # the send buffer must outlive the sends
+
+    def __init__(self, comm) -> None:
+        self._comm = comm
+        self._flag = np.zeros(1, dtype=np.int8)
+        self._recv = comm.Irecv(self._flag, source=0, tag=self.TAG) if comm.rank else None
+        self._sends: list = []
+
+    def call(self) -> None:
+        """Rank 0: calls every other rank into the round."""
+        self._sends = [s for s in self._sends if not s.Test()]
+        self._sends += [self._comm.Isend(self._ONE, dest=r, tag=self.TAG) for r in range(1, self._comm.size)]
+
+    def called(self) -> bool:
+        """The other ranks: whether rank 0 has called this rank into a round (then
+        listens for the next call)."""
+        if self._recv is None or not self._recv.Test():
+            return False
+        self._recv = self._comm.Irecv(self._flag, source=0, tag=self.TAG)
+        return True
 
 
 def _wait(request, stop: _Stop, beat) -> bool:
