@@ -36,6 +36,19 @@ INSPECT = r"""
 import json, os, sys
 
 run_dir = os.environ["GREYHOUND_RUN_DIR"]
+
+
+def listening(pid):
+    # Port by inode of each TCP socket in LISTEN (state 0A) in its network namespace.
+    ports = {}
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A":
+                ports[cols[9]] = int(cols[1].rsplit(":", 1)[1], 16)
+    return ports
+
+
 for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
         cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode().strip()
@@ -45,8 +58,11 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
         maps = open(f"/proc/{pid}/maps").read()
         stdin = os.readlink(f"/proc/{pid}/fd/0")
         cwd = os.readlink(f"/proc/{pid}/cwd")
+        links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        inodes = listening(pid)
     except OSError:
         continue
+    ports = sorted({inodes[link[8:-1]] for link in links if link.startswith("socket:[") and link[8:-1] in inodes})
     # redis-server rewrites its command line over its environment: known by its cwd.
     ours = "greyhound.control" in cmd and env.get("GREYHOUND_RUN_DIR") == run_dir
     redis = status["Name"].strip() == "redis-server" and cwd == run_dir
@@ -55,7 +71,8 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
     print("proc|" + json.dumps({"pid": int(pid), "ppid": int(status["PPid"]), "uid": int(status["Uid"].split()[0]),
                                 "cmd": cmd, "redis": redis, "ld_preload": env.get("LD_PRELOAD"),
                                 "pythonpath": env.get("PYTHONPATH"), "marker": env.get("GREYHOUND_CONTROL_PLANE"),
-                                "hook_mapped": "libgreyhound_hook" in maps, "stdin": stdin}), flush=True)
+                                "hook_mapped": "libgreyhound_hook" in maps, "stdin": stdin,
+                                "ports": ports}), flush=True)
 """
 
 # Waits (at most a minute) until the plane says it started, then shows it.
@@ -192,6 +209,11 @@ echo "script|$$"
         assert HOOK not in (p["ld_preload"] or ""), p
         assert CAPTURE not in (p["pythonpath"] or ""), p
         assert p["marker"] == "1", p
+    # Each rank's MPI listens on ports the kernel chose, not Open MPI's first free port
+    # from 1024: a plane that just ended, on the same node, used that one (launch.py).
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    for rank in ranks:
+        assert rank["ports"] and all(low <= port <= high for port in rank["ports"]), (rank["ports"], low, high)
     # The plane's step is the job's only other step.
     assert [name for _, name in steps(job.job_id)].count("greyhound") == 1
 

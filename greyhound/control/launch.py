@@ -92,15 +92,22 @@ def main() -> int:
         print(f"greyhound: control plane not started: cannot open {log_path}: {exc.strerror}", file=sys.stderr)
         return 0
     # The plane runs on the interpreter that runs this (the plugstack's python=).
-    # Open MPI adds a peer lazily, when its first message arrives (add_procs_cutoff 0);
-    # a message from a rank that left MPI_Init early, reaching one still inside it,
-    # crashed the latter in its TCP transport (a NULL call under ompi_mpi_init ->
-    # opal_progress, twice in a dozen starts on a loaded machine). All peers are added
-    # inside MPI_Init instead: one per node, a few thousand at most.
     # A plane rank that waits in a blocking MPI call yields its core (Open MPI polls in a
     # busy loop otherwise): the cores are the job's.
+    # Each rank listens on a port the kernel picks: Open MPI's TCP transport otherwise
+    # binds the first free port from 1024, the same port on a node for every plane, and
+    # a rank of the plane that had just ended (the job before, or a failed start) still
+    # sending there reached the new one. Its message, from a world the new rank does not
+    # know, arrived inside MPI_Init before any handler was set: a NULL call under
+    # opal_progress, twice in a row in one CI run, each within 2 s of the job before
+    # ending (the core: a MATCH fragment, no PML handler registered, which no peer of
+    # the rank's own world can cause, as none leaves MPI_Init before all have set them).
+    # After MPI_Init such a message could be matched as one of the plane's own.
+    # All peers are added inside MPI_Init (add_procs_cutoff), not on a first message:
+    # one per node, a few thousand at most.
     env = {**os.environ, "GREYHOUND_CONTROL_PLANE": "1", "OMPI_MCA_mpi_add_procs_cutoff": "1000000",
-           "OMPI_MCA_mpi_yield_when_idle": "1"}
+           "OMPI_MCA_mpi_yield_when_idle": "1", "OMPI_MCA_btl_tcp_port_min_v4": "0",
+           "OMPI_MCA_btl_tcp_port_min_v6": "0"}
     for attempt in range(1, STARTS + 1):
         try:
             proc = start_overlap_step([sys.executable, "-I", "-m", "greyhound.control.plane"],
@@ -113,8 +120,8 @@ def main() -> int:
         started, ended = _wait(proc, Path(run_dir) / ADDRESS_FILE, ending)
         if ending or started:
             break
-        # Open MPI 4.1's TCP transport now and then crashes inside MPI_Init when several
-        # emulated nodes share a host: one more start before giving up.
+        # A start can fail for reasons of the moment (a node's slurmd slow to answer
+        # srun, a crash inside MPI_Init as above): one more start before giving up.
         if attempt < STARTS:
             os.write(fd, f"greyhound: control plane: start {attempt} failed ({ended}); starting again\n".encode())
     os.close(fd)
