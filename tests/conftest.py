@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -202,16 +203,45 @@ def comment_of(job_id: str, timeout_s: float = 300) -> str:
 
 
 CLUSTER_SCRIPT = str(REPO / "scripts/cluster")
+CLUSTER_STATE = Path(os.environ.get("GREYHOUND_CLUSTER_STATE", "/var/lib/greyhound-cluster"))
 
 
 def cluster_shape() -> str:
-    return Path("/var/lib/greyhound-cluster/shape").read_text().strip()
+    return (CLUSTER_STATE / "shape").read_text().strip()
 
 
 def shape_args(shape: str) -> list[str]:
     """`scripts/cluster up`'s arguments for a shape as its state file writes it ("4 netns=1")."""
     nodes, netns = shape.split()
     return ["--nodes", nodes, *(["--netns"] if netns == "netns=1" else [])]
+
+
+def _dead_slurmds() -> list[str]:
+    """The emulated nodes whose slurmd (started by scripts/cluster) no longer runs."""
+    dead = []
+    for pidfile in sorted((CLUSTER_STATE / "run").glob("slurmd-n*.pid")):
+        try:
+            stat = Path(f"/proc/{int(pidfile.read_text().split()[0])}/stat").read_text()
+        except (OSError, ValueError, IndexError):
+            stat = ""
+        if stat.rpartition(")")[2].split()[:1] in ([], ["Z"]):     # gone, or a zombie not yet reaped
+            dead.append(pidfile.stem.removeprefix("slurmd-"))
+    return dead
+
+
+@pytest.fixture(autouse=True)
+def live_nodes(request):
+    """Before each cluster test, a node whose slurmd has died is started again, with a
+    warning in the run's summary. Slurm 22.05.8's slurmd aborted once in CI ("malloc():
+    unaligned tcache chunk detected" while launching a step, two jobs starting on the
+    node at once; no greyhound code runs inside slurmd), and every later test that
+    wanted that node failed for it."""
+    if request.node.get_closest_marker("cluster") is None or not (dead := _dead_slurmds()):
+        return
+    subprocess.run([CLUSTER_SCRIPT, "up", *shape_args(cluster_shape())], check=True, capture_output=True,
+                   timeout=300)
+    warnings.warn(f"slurmd of {', '.join(dead)} had died (its log and any core: {CLUSTER_STATE / 'log'}); "
+                  f"started again before {request.node.name}", stacklevel=1)
 
 
 @pytest.fixture(scope="module")

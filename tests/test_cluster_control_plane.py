@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PREFIX, REPO
+from conftest import CLUSTER_STATE, PREFIX, REPO
 from greyhound.plugstack import read_plugstack
 
 pytestmark = pytest.mark.cluster
 
 PLUGSTACK_ENTRY = Path("/etc/slurm/plugstack.conf.d/greyhound.conf")
-CLUSTER_LOGS = Path(os.environ.get("GREYHOUND_CLUSTER_STATE", "/var/lib/greyhound-cluster")) / "log"
+CLUSTER_LOGS = CLUSTER_STATE / "log"
 GREYHOUND = REPO / ".venv/bin/greyhound"
 HOOK = str(PREFIX / "lib/greyhound/libgreyhound_hook.so")
 CAPTURE = str(PREFIX / "lib/greyhound/python")

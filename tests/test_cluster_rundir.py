@@ -17,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import CLUSTER_STATE
+
 pytestmark = pytest.mark.cluster
 
 PLUGSTACK_ENTRY = Path("/etc/slurm/plugstack.conf.d/greyhound.conf")
-CLUSTER_LOGS = Path(os.environ.get("GREYHOUND_CLUSTER_STATE", "/var/lib/greyhound-cluster")) / "log"
+CLUSTER_LOGS = CLUSTER_STATE / "log"
 NOBODY = pwd.getpwnam("nobody")
 # What a job's control plane writes into its run directory (greyhound/control/).
 CONTROL_PLANE_FILES = ("control-plane.log", "events.jsonl", "redis.")
