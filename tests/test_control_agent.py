@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from greyhound.control.agent import HISTORY_POLLS, MIN_ITERATIONS, RECENT_POLLS, _Process
+from greyhound.control.agent import HISTORY_S, MIN_ITERATIONS, RECENT_S, PollWindow, _Process, polls_in
+
+
+def _proc(poll_s: float = 0.5) -> _Process:
+    return _Process(reader=None, tracker=None, polls=PollWindow(poll_s))
 
 
 def test_work_per_iteration_recently_and_before():
-    proc = _Process(reader=None, tracker=None)
+    proc = _proc()
     for _ in range(30):                     # 2 iterations a poll, 0.1 s of work each
         proc.polls.append((0.5, 0.3, 2))
-    for _ in range(RECENT_POLLS):           # then 0.2 s each: 0.4 s of 0.5 s outside calls
+    for _ in range(proc.polls.recent_polls):           # then 0.2 s each: 0.4 s of 0.5 s outside calls
         proc.polls.append((0.5, 0.1, 2))
     recent, before = proc.compute_per_iteration()
     assert recent == pytest.approx(0.2) and before == pytest.approx(0.1)
@@ -19,14 +23,14 @@ def test_work_per_iteration_recently_and_before():
 
 
 def test_no_figure_without_iterations_and_the_history_is_bounded():
-    proc = _Process(reader=None, tracker=None)
+    proc = _proc()
     assert proc.compute_per_iteration() == (None, None) and proc.compute_share() is None
-    for _ in range(RECENT_POLLS):
+    for _ in range(proc.polls.recent_polls):
         proc.polls.append((0.5, 0.5, 0))    # held in calls the whole time: no iteration
     assert proc.compute_per_iteration() == (None, None)
-    for _ in range(3 * HISTORY_POLLS):
+    for _ in range(3 * proc.polls.history_polls):
         proc.polls.append((0.5, 0.25, 1))
-    assert len(proc.polls) == HISTORY_POLLS
+    assert len(proc.polls) == proc.polls.history_polls
     assert proc.compute_per_iteration() == (pytest.approx(0.25), pytest.approx(0.25))
 
 
@@ -43,18 +47,19 @@ def test_recent_median_is_numpys_median_of_the_last_three():
 
 def test_running_figures_equal_the_sums_over_the_kept_polls():
     # The figures are kept as running sums: after every poll they must equal the sums
-    # over the last HISTORY_POLLS polls worked out afresh, however many came before.
+    # over the last history_polls polls worked out afresh, however many came before.
     import random
 
     rng = random.Random(3)
-    proc = _Process(reader=None, tracker=None)
+    proc = _proc()
+    history, recent_polls = proc.polls.history_polls, proc.polls.recent_polls
     kept: list[tuple[float, float, int]] = []
-    for _ in range(4 * HISTORY_POLLS):
+    for _ in range(4 * history):
         wall = rng.uniform(0.4, 0.6)
         poll = (wall, rng.uniform(0.0, wall), rng.choice((0, 1, 2, 5)))
         proc.polls.append(poll)
-        kept = [*kept, poll][-HISTORY_POLLS:]
-        recent, before = kept[-RECENT_POLLS:], kept[:-RECENT_POLLS]
+        kept = [*kept, poll][-history:]
+        recent, before = kept[-recent_polls:], kept[:-recent_polls]
 
         def per_iteration(polls):
             k = sum(p[2] for p in polls)
@@ -64,3 +69,15 @@ def test_running_figures_equal_the_sums_over_the_kept_polls():
         share = 1 - sum(p[1] for p in recent) / sum(p[0] for p in recent)
         assert proc.compute_share() == pytest.approx(share, abs=1e-9)
         assert len(proc.polls) == len(kept)
+
+
+@pytest.mark.parametrize("poll_s", [0.25, 0.5, 1.0, 2.0, 3.0])
+def test_the_windows_cover_the_same_seconds_at_any_poll_interval(poll_s):
+    # To the nearest whole poll.
+    window = PollWindow(poll_s)
+    assert abs(window.recent_polls * poll_s - RECENT_S) <= poll_s / 2
+    assert abs((window.history_polls - window.recent_polls) * poll_s - HISTORY_S) <= poll_s / 2
+
+
+def test_a_window_is_whole_polls_and_at_least_one():
+    assert polls_in(1.5, 1.0) == 2 and polls_in(1.5, 0.5) == 3 and polls_in(0.2, 1.0) == 1

@@ -63,7 +63,7 @@ def test_a_slow_job_is_profiled_and_the_late_rank_named(job):
         def poll(self, ranks):
             pass
 
-    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_polls=2), validate=False,
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_s=2.0), validate=False,
                     planner=Planner())
     publish(client, slow_ranks=range(8), late_rank=5)
     master.step()
@@ -84,7 +84,7 @@ def test_a_slow_job_is_profiled_and_the_late_rank_named(job):
 
 def test_a_slowdown_that_ends_while_profiling_returns_to_tracking(job):
     run_dir, client = job
-    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_polls=5))
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_s=5.0))
     publish(client, slow_ranks=range(8), late_rank=5)
     master.step()
     publish(client)
@@ -103,7 +103,7 @@ def test_one_slow_rank_of_eight_is_not_a_slow_job(job):
 
 def _profiled(job, **kw):
     run_dir, client = job
-    kw.setdefault("config", MasterConfig(profile_polls=1))
+    kw.setdefault("config", MasterConfig(profile_s=1.0))
     master = Master(run_dir, client, nodes=NODES, **kw)
     publish(client, slow_ranks=range(8), late_rank=5)
     master.step()          # detected -> profiling
@@ -173,7 +173,7 @@ def test_a_slowdown_that_outlasts_an_unknown_verdict_is_examined_again_after_a_d
     # A false alarm's episode left the job "slow"; a straggler that starts meanwhile
     # must still be named: the master profiles again once the hold-off has passed.
     run_dir, client = job
-    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_polls=1, validation_rounds=1,
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_s=1.0, validation_rounds=1,
                                                                        recheck_s=0.2))
     unconfirmed = {"paused": True, "pause_s": 1.0, "park_s": 0.3, "slow_links": [],
                    "results": [{"key": "compute:5", "rank": 5, "ratio": 1.02, "confirmed": False}]}
@@ -214,7 +214,7 @@ def test_a_slowdown_that_outlasts_an_unknown_verdict_is_examined_again_after_a_d
 
 def test_a_named_verdict_is_not_examined_again(job):
     run_dir, client = job
-    master = _profiled(job, validate=False, config=MasterConfig(profile_polls=1, recheck_s=0.01))
+    master = _profiled(job, validate=False, config=MasterConfig(profile_s=1.0, recheck_s=0.01))
     time.sleep(0.05)
     for _ in range(3):
         master.step()
@@ -275,7 +275,7 @@ def test_a_pause_that_could_not_be_placed_profiles_again_until_its_retries_run_o
     # After an S2 split change a rank's tracker re-locks for a few seconds: no rank was
     # held and nothing was tested, so the verdict waits for a round that can be placed.
     run_dir, client = job
-    master = _profiled(job, config=MasterConfig(profile_polls=1, placement_retries=2))
+    master = _profiled(job, config=MasterConfig(profile_s=1.0, placement_retries=2))
     unplaced = {"paused": False, "held_nobody": True,
                 "why": "the trackers of ranks [3] cannot place the pause iteration (no period locked yet)"}
     for _ in range(2):
@@ -344,7 +344,7 @@ def test_a_failing_planner_costs_the_job_its_mitigation_not_its_detection(job):
         def poll(self, ranks):
             pass
 
-    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_polls=2), validate=False,
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_s=2.0), validate=False,
                     planner=Broken())
     publish(client, slow_ranks=range(8), late_rank=5)
     for _ in range(3):

@@ -300,10 +300,11 @@ GEMM_ROUND = """
 import json, sys, time
 from mpi4py import MPI
 from greyhound.analytics.tracker import RankTracker
-from greyhound.control.agent import _Process
+from greyhound.control.agent import PollWindow, _Process
 from greyhound.control.pause import _gemm
 from greyhound.ring import RingReader
-local = {k: _Process(reader=RingReader(path), tracker=RankTracker()) for k, path in enumerate(sys.argv[1:])}
+local = {k: _Process(reader=RingReader(path), tracker=RankTracker(), polls=PollWindow(1.0))
+         for k, path in enumerate(sys.argv[1:])}
 start = time.monotonic()
 gemm = _gemm(MPI.COMM_WORLD, local, {"gemm_references": [0], "gemm_suspects": [1]}, lambda: None)
 print(json.dumps({**gemm, "wall_s": time.monotonic() - start}), flush=True)

@@ -65,7 +65,7 @@ VERDICT = {"kind": "compute", "ranks": [5], "nodes": ["n3"], "validated": True, 
 
 def test_a_validated_compute_straggler_gets_the_exact_split_and_the_job_its_own_back_when_it_recovers(job):
     run_dir, client = job
-    planner = Planner(client, run_dir, config=PlannerConfig(settle_polls=2, end_polls=3))
+    planner = Planner(client, run_dir, config=PlannerConfig(settle_s=2.0, end_s=3.0))
     client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
     planner.on_verdict(VERDICT, _ranks({5: 0.15}))
     plan = json.loads(client.get(store.PLAN))
@@ -108,7 +108,7 @@ def test_a_straggler_that_recovered_before_the_plan_settled_gets_the_job_its_own
     # ended; 20 s later its settled work was already healthy (0.065 s), no drop could
     # follow, and 13,3 stayed to the end of the job (1.26x slower than 8,8).
     run_dir, client = job
-    planner = Planner(client, run_dir, config=PlannerConfig(settle_polls=2, end_polls=3))
+    planner = Planner(client, run_dir, config=PlannerConfig(settle_s=2.0, end_s=3.0))
     client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
     # As the master hands them over, read around the validation pause: the other ranks'
     # recent figures are missing; their baselines are not.
@@ -132,7 +132,7 @@ def test_a_straggler_with_no_recent_figure_at_the_verdict_is_watched_and_its_pla
     # have a recent figure when the verdict came; it was not watched, and 14,2 stayed
     # to the end of the job though it recovered 30 s later.
     run_dir, client = job
-    planner = Planner(client, run_dir, config=PlannerConfig(settle_polls=2, end_polls=3))
+    planner = Planner(client, run_dir, config=PlannerConfig(settle_s=2.0, end_s=3.0))
     client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
     planner.on_verdict({**VERDICT, "severity": 5.14}, _ranks({5: None}, base=0.145))   # the job 5.14x slow
     assert planner.work[5] == {"base": 0.145}
@@ -149,7 +149,7 @@ def test_a_straggler_with_no_recent_figure_at_the_verdict_is_watched_and_its_pla
 
 def test_a_straggler_still_slow_under_the_plan_keeps_it_against_its_peers_line(job):
     run_dir, client = job
-    planner = Planner(client, run_dir, config=PlannerConfig(settle_polls=1, end_polls=2))
+    planner = Planner(client, run_dir, config=PlannerConfig(settle_s=1.0, end_s=2.0))
     client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
     planner.on_verdict(VERDICT, _ranks({r: 0.133 for r in range(8)} | {5: 0.862}, base=0.133))
     split = json.loads(client.get(store.PLAN))["microbatch_split"]

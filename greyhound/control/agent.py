@@ -38,37 +38,46 @@ from greyhound.ring import CALL_OPS, COLLECTIVE_OPS, OP, OP_NAMES, RingError, Ri
 log = logging.getLogger(__name__)
 
 
+def polls_in(seconds: float, poll_s: float) -> int:
+    """The whole polls (at least one) that make up a window of ``seconds``: the plane's
+    windows are set in seconds, so a different poll interval keeps what they cover."""
+    return max(1, round(seconds / poll_s))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class AgentConfig:
-    poll_s: float = 0.5
-    """Seconds between polls of the rings (at most 1 s keeps detection within seconds)."""
+    poll_s: float = 1.0
+    """Seconds between polls of the rings (at most 1 s keeps detection within seconds;
+    half a second cost the plane twice the CPU, almost all of it per poll)."""
     comm_window_iterations: int = 10
     """Iterations the per-communicator figures cover."""
-    comm_every_polls: int = 4
-    """Polls between updates of the per-communicator figures (profiling reads them),
+    comm_every_s: float = 2.0
+    """Seconds between updates of the per-communicator figures (profiling reads them),
     appends to the published iteration times, and updates of the figures only
     ``greyhound status`` shows (``window_s``, ``counters``)."""
-    summary_every_polls: int = 20
-    """Polls between full recomputations of a rank's slow interval and baseline when
+    summary_every_s: float = 10.0
+    """Seconds between full recomputations of a rank's slow interval and baseline when
     no change point came (a change point recomputes them at once)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.poll_s <= 10:
             raise ValueError(f"poll_s={self.poll_s} must be in (0, 10] seconds")
-        if self.comm_every_polls < 1 or self.summary_every_polls < 1:
-            raise ValueError("comm_every_polls and summary_every_polls must be >= 1")
+        if not (self.comm_every_s > 0 and self.summary_every_s > 0):
+            raise ValueError("comm_every_s and summary_every_s must be > 0")
         if self.comm_window_iterations < 1:
             raise ValueError(f"comm_window_iterations={self.comm_window_iterations} must be >= 1")
 
 
 class PollWindow:
-    """(wall, inside calls, iterations completed) of a rank's last ``HISTORY_POLLS``
-    polls, with running sums over the newest ``RECENT_POLLS`` (:attr:`recent`) and the
-    ones before them (:attr:`older`): both are read every poll, and summing seventy
-    tuples was a fifth of a rank's publish. Seconds are kept as integer nanoseconds,
-    so the running sums are exact however long the job runs."""
+    """(wall, inside calls, iterations completed) of a rank's last ``history`` polls,
+    with running sums over the newest ``recent`` (:attr:`recent`) and the ones before
+    them (:attr:`older`): both are read every poll, and summing seventy tuples was a
+    fifth of a rank's publish. Seconds are kept as integer nanoseconds, so the running
+    sums are exact however long the job runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, poll_s: float) -> None:
+        self.recent_polls = polls_in(RECENT_S, poll_s)
+        self.history_polls = polls_in(HISTORY_S, poll_s) + self.recent_polls
         self._recent: collections.deque[tuple[int, int, int]] = collections.deque()
         self._older: collections.deque[tuple[int, int, int]] = collections.deque()
         self.recent = (0, 0, 0)
@@ -79,12 +88,12 @@ class PollWindow:
         entry = (round(wall_s * 1e9), round(blocked_s * 1e9), int(iterations))
         self._recent.append(entry)
         self.recent = _plus(self.recent, entry)
-        if len(self._recent) > RECENT_POLLS:
+        if len(self._recent) > self.recent_polls:
             moved = self._recent.popleft()
             self.recent = _plus(self.recent, moved, -1)
             self._older.append(moved)
             self.older = _plus(self.older, moved)
-            if len(self._older) > HISTORY_POLLS - RECENT_POLLS:
+            if len(self._older) > self.history_polls - self.recent_polls:
                 self.older = _plus(self.older, self._older.popleft(), -1)
 
     def __len__(self) -> int:
@@ -101,13 +110,13 @@ class _Process:
 
     reader: RingReader
     tracker: RankTracker
+    polls: PollWindow
+    """(wall seconds, seconds inside calls, iterations completed) of the recent polls."""
     published_iterations: int = 0
     republish: bool = False
     """The published iteration times were withdrawn: send the list anew."""
     summary_cache: tuple | None = None
     """(change points seen, the slow-interval fields) of the last full summary."""
-    polls: PollWindow = dataclasses.field(default_factory=PollWindow)
-    """(wall seconds, seconds inside calls, iterations completed) of the recent polls."""
     last_poll: float | None = None
     sent: dict = dataclasses.field(default_factory=dict)
     """The rank's fields as last published (``store.publish_rank`` sends the changed ones)."""
@@ -121,7 +130,7 @@ class _Process:
 
     def compute_per_iteration(self) -> tuple[float | None, float | None]:
         """(recent, baseline) seconds a training iteration spends outside communication
-        calls: over the last ``RECENT_POLLS`` polls, and over the polls before them.
+        calls: over the last ``RECENT_S`` seconds of polls, and over the ones before them.
 
         A rank's own work per iteration stays what it was unless that rank slows: the
         ranks that wait for a slow one wait inside calls. So the rank whose figure rose
@@ -138,15 +147,15 @@ def _per_iteration(sums: tuple[int, int, int]) -> float | None:
     return max(0, wall - blocked) / iterations * 1e-9
 
 
-RECENT_POLLS = 10
-"""Polls the recent figures cover (5 s at the default poll)."""
-HISTORY_POLLS = 70
-"""Polls kept: the baseline covers the 60 before the recent ones (30 s at the default
-poll; a slowdown found within seconds of its onset leaves it clean)."""
+RECENT_S = 5.0
+"""Seconds of polls the recent figures cover."""
+HISTORY_S = 30.0
+"""Seconds of polls before the recent ones that the baseline covers (a slowdown found
+within seconds of its onset leaves it clean)."""
 MIN_ITERATIONS = 3
-STALLED_POLLS = 4
-"""A poll this many intervals after the previous one spans a stall of the plane (a
-validation round): its figures are not counted."""
+STALLED_S = 2.0
+"""A poll this long (and at least two intervals) after the previous one spans a stall of
+the plane (a validation round): its figures are not counted."""
 _IS_BLOCKING = op_mask(CALL_OPS | {OP["Wait"]})
 _IS_COLLECTIVE = op_mask(COLLECTIVE_OPS)
 CLOCK_ITERATIONS = 3
@@ -243,6 +252,8 @@ class NodeAgent:
         self.processes: dict[Path, _Process] = {}
         self._foreign: set[Path] = set()
         self._polls = 0
+        self._comm_every = polls_in(self.config.comm_every_s, self.config.poll_s)
+        self._summary_every = polls_in(self.config.summary_every_s, self.config.poll_s)
         self._listed: int | None = None
         """The run dir's mtime (ns) when it was last listed with every ring opened."""
 
@@ -272,7 +283,8 @@ class NodeAgent:
                 reader.close()
                 self._foreign.add(path)
                 continue
-            self.processes[path] = _Process(reader=reader, tracker=RankTracker(rank=reader.info.rank))
+            self.processes[path] = _Process(reader=reader, tracker=RankTracker(rank=reader.info.rank),
+                                            polls=PollWindow(self.config.poll_s))
         # A file created in the same tick of the kernel's coarse clock as the listing
         # leaves the mtime as it was: trust an mtime only once it is a second old.
         settled = mtime is not None and time.time_ns() - mtime > 1_000_000_000
@@ -291,7 +303,7 @@ class NodeAgent:
             # that spans a validation round: its parked seconds are outside any call's
             # record yet, and would read as seconds of work on every rank.
             if proc.last_poll is not None and was_locked and update.withdrawn_from is None and \
-                    now - proc.last_poll < STALLED_POLLS * self.config.poll_s:
+                    now - proc.last_poll < max(STALLED_S, 2 * self.config.poll_s):
                 proc.polls.append((now - proc.last_poll, blocked_seconds(batch.records),
                                    len(update.iteration_times)))
             proc.last_poll = now
@@ -326,12 +338,12 @@ class NodeAgent:
     def summary(self, proc: _Process) -> dict:
         """A rank's tracking state as the store keeps it (``rank:{rank}``). The slow
         interval and baseline are worked out again (a pass over the whole series) only
-        when the change points changed or every ``summary_every_polls``."""
+        when the change points changed or every ``summary_every_s``."""
         tracker = proc.tracker
         n = tracker.num_iterations
         cached = proc.summary_cache
         if cached is None or cached[0] != len(tracker.changepoints) or \
-                self._polls % self.config.summary_every_polls == 0:
+                self._polls % self._summary_every == 0:
             detection = tracker.detection()
             slow = detection.slow_intervals[-1] if detection.slow_intervals and \
                 detection.slow_intervals[-1].end_index is None else None
@@ -392,7 +404,7 @@ class NodeAgent:
         """Each rank's state, new iteration times and (every few polls) comm figures,
         and the agent's heartbeat: one round trip to Redis."""
         self._polls += 1
-        with_comms = self._polls % self.config.comm_every_polls == 1 or self.config.comm_every_polls == 1
+        with_comms = self._polls % self._comm_every == 1 or self._comm_every == 1
         pipe = client.pipeline(transaction=False)
         ranks = []
         for proc in self.processes.values():

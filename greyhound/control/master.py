@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from greyhound.control import store
+from greyhound.control.agent import polls_in
 from greyhound.control.events import append_event
 from greyhound.control.links import job_links, link_passes
 from greyhound.control.p2p import link_ends
@@ -48,8 +49,8 @@ class MasterConfig:
     slow_rank_fraction: float = 0.5
     """The job is slow when at least this fraction of its ranks report a slow interval
     (a synchronous job slows on every rank; one rank alone is that rank's noise)."""
-    profile_polls: int = 3
-    """Polls of profiling evidence before suspects are settled."""
+    profile_s: float = 1.5
+    """Seconds of profiling evidence (whole polls, at least one) before suspects are settled."""
     validation_rounds: int = 2
     """Validation rounds an episode may take: when one confirms none of the suspects
     (profiling caught a rank that waits on the straggler, not the straggler), profiling
@@ -67,8 +68,8 @@ class MasterConfig:
     def __post_init__(self) -> None:
         if not 0 < self.slow_rank_fraction <= 1:
             raise ValueError(f"slow_rank_fraction={self.slow_rank_fraction} must be in (0, 1]")
-        if self.profile_polls < 1:
-            raise ValueError(f"profile_polls={self.profile_polls} must be >= 1")
+        if not self.profile_s > 0:
+            raise ValueError(f"profile_s={self.profile_s} must be > 0")
         if self.placement_retries < 0:
             raise ValueError(f"placement_retries={self.placement_retries} must be >= 0")
         if self.validation_rounds < 1:
@@ -101,13 +102,14 @@ class _Episode:
 
 class Master:
     def __init__(self, run_dir: str | Path, client, *, nodes: list[str], config: MasterConfig | None = None,
-                 validate: bool = True, poll_s: float = 0.5, planner=None) -> None:
+                 validate: bool = True, poll_s: float = 1.0, planner=None) -> None:
         self.run_dir = Path(run_dir)
         self.client = client
         self.nodes = nodes
         self.config = config or MasterConfig()
         self.validate = validate
         self.poll_s = poll_s
+        self._profile_polls = polls_in(self.config.profile_s, poll_s)
         self.request: dict | None = None
         self.planner = planner
         self.state = "tracking"
@@ -192,7 +194,7 @@ class Master:
             ep.votes[key] += 1
             ep.suspects[key] = s
         self.client.set(store.SUSPECTS, store.dumps([s.as_dict() for s in suspects]))
-        if ep.polls < self.config.profile_polls:
+        if ep.polls < self._profile_polls:
             return
         settled = [ep.suspects[k] for k, n in ep.votes.most_common() if n * 2 > ep.polls]
         ep.settled = settled

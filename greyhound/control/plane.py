@@ -88,7 +88,7 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
     try:
         if comm.rank == 0:
             master = Master(run_dir, client, nodes=nodes, config=config.master, poll_s=config.agent.poll_s,
-                            planner=_planner(client, run_dir))
+                            planner=_planner(client, run_dir, config.agent.poll_s))
             append_event(run_dir, "control_plane_started", master_node=node, nodes=nodes,
                          poll_s=config.agent.poll_s, pid=os.getpid())
         # The master beats while it waits for the others too: an agent slowed by a
@@ -134,7 +134,7 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
     return 0
 
 
-def _planner(client, run_dir: Path):
+def _planner(client, run_dir: Path, poll_s: float):
     """The mitigation planner under ``--greyhound=mitigate``; None in detect mode."""
     if os.environ.get("GREYHOUND_MODE") != "mitigate":
         return None
@@ -143,7 +143,7 @@ def _planner(client, run_dir: Path):
     slurm = _slurm()
     config = PlannerConfig(requeue=os.environ.get("GREYHOUND_REQUEUE", "on") != "off",
                            requeue_hold_s=_requeue_hold_s(slurm))
-    return Planner(client, run_dir, config=config, job=_slurm_job(), slurm=slurm)
+    return Planner(client, run_dir, config=config, job=_slurm_job(), slurm=slurm, poll_s=poll_s)
 
 
 def _requeue_hold_s(slurm) -> float:
@@ -238,11 +238,11 @@ def main() -> None:
         return
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     try:
-        poll_s = float(os.environ.get("GREYHOUND_POLL_S", "0.5"))
-        config = PlaneConfig(agent=AgentConfig(poll_s=poll_s))
+        config = PlaneConfig(agent=AgentConfig(poll_s=float(os.environ.get("GREYHOUND_POLL_S",
+                                                                           AgentConfig().poll_s))))
     except ValueError as exc:
-        print(f"greyhound: control plane: GREYHOUND_POLL_S: {exc}; using 0.5", file=sys.stderr)
         config = PlaneConfig()
+        print(f"greyhound: control plane: GREYHOUND_POLL_S: {exc}; using {config.agent.poll_s}", file=sys.stderr)
     try:
         run(Path(run_dir), node=node, config=config, stop=stop)
     except Exception as exc:  # noqa: BLE001  (fail open, always)

@@ -17,7 +17,7 @@ straggler (that is the point: the replicas are balanced, and when the straggler
 recovers the other replica, now with more micro-batches, still sets the pace), so its
 end is read from the straggler's own work per iteration outside communication (the
 agents' ``compute_s``): measured once the plan has settled (the fail-slow still on),
-then watched; a drop by ``end_drop`` held for ``end_polls`` polls is its end, and the
+then watched; a drop by ``end_drop`` held for ``end_s`` seconds of polls is its end, and the
 job's own split returns. That work changes with the split by a share each job decides
 (linear in micro-batches on a GPU-bound stage, flat where per-step work dominates, as
 in the CPU reference job), so it is compared with itself under the same plan only; and
@@ -66,6 +66,7 @@ from pathlib import Path
 import numpy as np
 
 from greyhound.control import store
+from greyhound.control.agent import polls_in
 from greyhound.control.events import append_event
 from greyhound.mitigate import topology
 from greyhound.mitigate.gather import gather_stragglers
@@ -88,13 +89,14 @@ class PlannerConfig:
     end_drop: float = 1.3
     """A straggler whose work per iteration fell by this factor from its level under
     the plan has recovered (the figure varies by about 15% from poll to poll)."""
-    end_polls: int = 6
-    """Consecutive polls it must stay so before the job's own split returns."""
-    settle_polls: int = 40
-    """Polls after a plan is applied before its effect is judged: the new split changes
-    the calls of an iteration, the trackers lock on again (16 iterations), and the
-    agents' recent figures cover 10 polls after that (24 polls were too few once: the
-    straggler's figure still fell as its window filled, and read as a recovery)."""
+    end_s: float = 3.0
+    """Seconds (of consecutive polls) it must stay so before the job's own split returns."""
+    settle_s: float = 20.0
+    """Seconds (of polls) after a plan is applied before its effect is judged: the new
+    split changes the calls of an iteration, the trackers lock on again (16
+    iterations), and the agents' recent figures cover 5 s after that (12 s were too
+    few once: the straggler's figure still fell as its window filled, and read as a
+    recovery)."""
 
     requeue: bool = True
     """S4 allowed (the admin's plugstack ``requeue=off`` or the user's
@@ -103,16 +105,17 @@ class PlannerConfig:
     """Slurm's hold on a requeued job before it may start again (its begin time): the
     control plane asks the cluster (``SlurmClient.requeue_hold_s``); this default is
     Slurm's own."""
-    checkpoint_polls: int = 240
-    """Polls to wait for the checkpoint S4 asked for; then S4 is given up."""
-    relayout_polls: int = 240
-    """Polls to wait for the training side to apply an S3 placement; then S3 is given up."""
+    checkpoint_s: float = 120.0
+    """Seconds (of polls) to wait for the checkpoint S4 asked for; then S4 is given up."""
+    relayout_s: float = 120.0
+    """Seconds (of polls) to wait for the training side to apply an S3 placement; then
+    S3 is given up."""
 
     def __post_init__(self) -> None:
         if not self.end_drop > 1:
             raise ValueError(f"end_drop={self.end_drop} must be > 1")
-        if self.end_polls < 1 or self.settle_polls < 0:
-            raise ValueError("end_polls must be >= 1 and settle_polls >= 0")
+        if not (self.end_s > 0 and self.settle_s >= 0 and self.checkpoint_s > 0 and self.relayout_s > 0):
+            raise ValueError("end_s, checkpoint_s and relayout_s must be > 0 and settle_s >= 0")
 
 
 S3_MAX_BRANCHES = 20_000
@@ -162,12 +165,16 @@ class Planner:
     """Runs on the master; see the module docstring."""
 
     def __init__(self, client, run_dir: str | Path, *, config: PlannerConfig | None = None,
-                 job: dict | None = None, slurm=None) -> None:
+                 job: dict | None = None, slurm=None, poll_s: float = 1.0) -> None:
         """``job``: this job's id, partition and node count (from the plane's Slurm
-        environment; None: no S4); ``slurm``: the Slurm client S4 requeues with."""
+        environment; None: no S4); ``slurm``: the Slurm client S4 requeues with;
+        ``poll_s``: the plane's poll interval (the planner is called once a poll)."""
         self.client = client
         self.run_dir = Path(run_dir)
         self.config = config or PlannerConfig()
+        self._end_polls, self._settle_polls, self._checkpoint_polls, self._relayout_polls = (
+            polls_in(seconds, poll_s) for seconds in (self.config.end_s, self.config.settle_s,
+                                                      self.config.checkpoint_s, self.config.relayout_s))
         self.job = job
         self.slurm = slurm
         self.started_s = time.time()
@@ -332,7 +339,7 @@ class Planner:
         if not self.stragglers or int(applied.get("version", 0)) != self.version:
             return
         self._polls_applied += 1
-        if self._polls_applied <= self.config.settle_polls:
+        if self._polls_applied <= self._settle_polls:
             return
         compute = {int(r): float(s["compute_s"]) for r, s in ranks.items() if s.get("compute_s") not in (None, "")}
         watched = {r: w for r, w in self.work.items() if r in compute}
@@ -346,7 +353,7 @@ class Planner:
         self.client.set(WATCH_KEY, json.dumps({"version": self.version, "recovered_polls": self._recovered_polls,
                                                "work": {str(r): {**w, "now": compute.get(r)}
                                                         for r, w in self.work.items()}}))
-        if self._recovered_polls >= self.config.end_polls:
+        if self._recovered_polls >= self._end_polls:
             layout = self._layout()
             if layout is None:
                 return
@@ -452,9 +459,9 @@ class Planner:
                     self._s2(layout, ranks, then["found"], nodes=then["nodes"], where=then["where"])
             else:
                 s3["polls"] += 1
-                if s3["polls"] > self.config.relayout_polls:
+                if s3["polls"] > self._relayout_polls:
                     append_event(self.run_dir, "mitigation_skipped", level="S3", why=(
-                        f"the training side applied no placement within {self.config.relayout_polls} polls"))
+                        f"the training side applied no placement within {self.config.relayout_s:.0f} s"))
                     self.s3 = None
             return
         loss_s, _ = slow_loss(ranks)
@@ -515,9 +522,9 @@ class Planner:
         saved = json.loads(raw) if raw else {}
         if saved.get("version") != s4["version"]:
             s4["polls"] += 1
-            if s4["polls"] > self.config.checkpoint_polls:
+            if s4["polls"] > self._checkpoint_polls:
                 append_event(self.run_dir, "mitigation_skipped", level="S4",
-                             why=f"no checkpoint within {self.config.checkpoint_polls} polls")
+                             why=f"no checkpoint within {self.config.checkpoint_s:.0f} s")
                 self.s4 = None
             return
         if saved.get("step") is None:
