@@ -81,3 +81,55 @@ def test_the_windows_cover_the_same_seconds_at_any_poll_interval(poll_s):
 
 def test_a_window_is_whole_polls_and_at_least_one():
     assert polls_in(1.5, 1.0) == 2 and polls_in(1.5, 0.5) == 3 and polls_in(0.2, 1.0) == 1
+
+
+def test_waiting_for_a_cpu_recently_and_before():
+    proc = _proc()
+    assert proc.cpu_wait_share() == (None, None)        # no schedstat read yet
+    proc.run_delay_ns = 0
+    for _ in range(30):
+        proc.polls.append((0.5, 0.3, 2, 0.1))
+    for _ in range(proc.polls.recent_polls):
+        proc.polls.append((0.5, 0.3, 2, 0.4))
+    assert proc.cpu_wait_share() == (pytest.approx(0.8), pytest.approx(0.2))
+    proc.polls.append((0.5, 0.3, 2))                    # a poll without a figure waited nothing
+    assert proc.compute_per_iteration() == (pytest.approx(0.1), pytest.approx(0.1))
+
+
+def test_run_delay_is_read_from_schedstat_and_grows_while_a_busy_process_waits():
+    import multiprocessing
+    import os
+
+    from greyhound.control.agent import run_delay_ns
+
+    if not os.path.exists("/proc/self/schedstat"):
+        pytest.skip("this kernel has no /proc/PID/schedstat (CONFIG_SCHEDSTATS)")
+    assert run_delay_ns(2 ** 22 + 12345) is None        # beyond pid_max: no such process
+    # Two busy processes on one CPU for a second: each waits for it about half the time.
+    ctx = multiprocessing.get_context("fork")
+    waited = ctx.Queue()
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})
+    try:
+        busy = [ctx.Process(target=_spin, args=(1.0, waited)) for _ in range(2)]
+        for p in busy:
+            p.start()
+        delays = [waited.get(timeout=30) for _ in busy]
+        for p in busy:
+            p.join()
+    finally:
+        os.sched_setaffinity(0, cpus)
+    assert all(0.25 < d < 0.75 for d in delays), delays
+
+
+def _spin(seconds: float, waited) -> None:
+    import os
+    import time
+
+    from greyhound.control.agent import run_delay_ns
+
+    start = run_delay_ns(os.getpid())
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    waited.put((run_delay_ns(os.getpid()) - start) / 1e9)

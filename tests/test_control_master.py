@@ -355,3 +355,52 @@ def test_a_failing_planner_costs_the_job_its_mitigation_not_its_detection(job):
     publish(client)
     master.step()
     assert read_events(run_dir)[-1]["kind"] == "recovered"
+
+
+def _publish_pace(client, *, current_s: float, rise: dict[int, float], wait: dict[int, float]):
+    """Eight ranks, all slow since iteration 40, at ``current_s`` a step; rank r's work
+    rose ``rise[r]`` (1.0 if absent) and it waits for a CPU ``wait[r]`` (0.02) of its
+    time, 0.25 before."""
+    for r in range(8):
+        pipe = client.pipeline(transaction=False)
+        store.publish_rank(pipe, r, new_times=[current_s], fields={
+            "node": NODES[r // 2], "iterations": 60, "current_s": current_s, "baseline_s": 0.3,
+            "slowdown": round(current_s / 0.3, 3), "slow_since": 40, "compute_share": 0.5,
+            "compute_s": 0.05 * rise.get(r, 1.0), "compute_base_s": 0.05,
+            "cpu_wait": wait.get(r, 0.02), "cpu_wait_base": 0.25,
+        })
+        pipe.execute()
+
+
+def test_a_slowdown_that_deepens_while_profiling_is_profiled_anew_and_both_stragglers_named(job):
+    # CI: a burst of other work slowed the job 1.4x; a second later CPU quotas on ranks
+    # 2 and 5 took it to 4x. Profiling, settled on the first 1.6 s, named rank 2 alone.
+    run_dir, client = job
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_s=2.0), validate=False)
+    _publish_pace(client, current_s=0.42, rise={2: 1.8}, wait={})
+    master.step()                       # detected
+    master.step()                       # profiling: rank 2
+    _publish_pace(client, current_s=1.2, rise={2: 3.0}, wait={2: 0.3, 5: 0.55})
+    master.step()                       # 1.2 s > 1.2 x 0.42 s: deepened, its evidence anew
+    assert master.state == "profiling"
+    deepened = [e for e in read_events(run_dir) if e["kind"] == "deepened"]
+    assert len(deepened) == 1 and deepened[0]["was_s"] == 0.42 and deepened[0]["iteration_s"] == 1.2
+    _publish_pace(client, current_s=1.2, rise={2: 3.0}, wait={2: 0.3, 5: 0.6})
+    master.step()                       # settled: both
+    suspects = next(e for e in read_events(run_dir) if e["kind"] == "suspects")["suspects"]
+    assert sorted(s["ranks"] for s in suspects) == [[2], [5]]
+    verdict = next(e for e in read_events(run_dir) if e["kind"] == "verdict")["verdict"]
+    assert verdict["severity"] == 4.0       # the deeper slowdown, not the burst's 1.4x
+
+
+def test_a_slowdown_that_keeps_deepening_restarts_profiling_a_bounded_number_of_times(job):
+    run_dir, client = job
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_s=3.0, deepened_restarts=2),
+                    validate=False)
+    pace = 0.4
+    for _ in range(8):                  # a ramp: a fifth slower every poll
+        _publish_pace(client, current_s=pace, rise={5: 3.0}, wait={})
+        master.step()
+        pace *= 1.25
+    kinds = [e["kind"] for e in read_events(run_dir)]
+    assert kinds.count("deepened") == 2 and "verdict" in kinds

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from greyhound.control.profile import find_suspects
 
 NODES = {0: "n1", 1: "n1", 2: "n2", 3: "n2", 4: "n3", 5: "n3", 6: "n4", 7: "n4"}
@@ -92,3 +94,35 @@ def test_a_slow_group_within_one_node_is_not_a_link_suspect():
     # The same groups across nodes (r, r + 4): the slow one is a link suspect.
     assert [s.kind for s in find_suspects(dp_groups({2: 0.15, 6: 0.15}), rank_nodes=NODES,
                                           compute_share=SHARE)] == ["link"]
+
+
+def _waits(now: dict[int, float], before: dict[int, float]) -> dict[int, tuple[float, float]]:
+    return {r: (now.get(r, 0.02), before.get(r, 0.25)) for r in NODES}
+
+
+def test_a_rank_starved_of_cpu_is_a_compute_suspect_even_when_its_work_per_iteration_fell():
+    # The two-straggler cluster test: ranks 2 and 5 under a CPU quota waited 0.53 and
+    # 0.60 of their time (0.38 and 0.30 before), the others 0.02 (0.21-0.29 before);
+    # rank 2's work per iteration read 0.3x its past (its stops fell inside calls).
+    rise = {r: 1.0 for r in NODES} | {2: 0.3, 5: 6.5}
+    waits = _waits({2: 0.53, 5: 0.60}, {2: 0.38, 5: 0.30})
+    suspects = find_suspects(dp_groups({}), rank_nodes=NODES, compute_share=SHARE, compute_rise=rise, cpu_wait=waits)
+    assert sorted(s.ranks for s in suspects) == [(2,), (5,)]
+    starved = next(s for s in suspects if s.ranks == (2,))
+    assert starved.kind == "compute" and starved.nodes == ("n2",) and "CPU" in starved.why
+    assert starved.score == pytest.approx((1 - 0.38) / (1 - 0.53))
+    # Named by its work already: one suspect for rank 5, its work's.
+    assert next(s for s in suspects if s.ranks == (5,)).score == pytest.approx(6.5)
+
+
+def test_a_busier_machine_or_a_rank_that_always_waited_more_names_nobody():
+    rise = {r: 1.0 for r in NODES}
+    everyone = _waits({r: 0.6 for r in NODES}, {})          # every rank waits more
+    assert find_suspects(dp_groups({}), rank_nodes=NODES, compute_share=SHARE, compute_rise=rise,
+                         cpu_wait=everyone) == []
+    always = _waits({r: 0.25 for r in NODES} | {3: 0.55}, {3: 0.55})   # rank 3 waited as much before
+    assert find_suspects(dp_groups({}), rank_nodes=NODES, compute_share=SHARE, compute_rise=rise,
+                         cpu_wait=always) == []
+    fell = _waits({3: 0.30}, {3: 0.80})     # waits more than the others, but less than it did
+    assert find_suspects(dp_groups({}), rank_nodes=NODES, compute_share=SHARE, compute_rise=rise,
+                         cpu_wait=fell) == []

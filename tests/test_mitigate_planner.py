@@ -465,3 +465,23 @@ def test_a_finding_beside_the_lead_with_no_figure_of_its_own_needs_a_clearly_slo
     planner.on_verdict({**verdict, "also": [{"kind": "compute", "ranks": [0], "strength": 4.0}]},
                        _ranks({5: 0.15, 0: None}))
     assert planner.stragglers == {5: 3.0, 0: 4.0}
+
+
+def test_a_straggler_whose_work_fell_is_taken_at_how_long_it_waits_for_a_cpu(job):
+    # The two-straggler cluster test: rank 2, under a CPU quota, read 0.3x its past work
+    # per iteration (its stops fell inside its calls) but waited for a CPU 0.53 of its
+    # time against 0.38 before; rank 5's work rose 3x and it waited no longer.
+    run_dir, client = job
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    ranks = _ranks({2: 0.015, 5: 0.15})
+    ranks[2] |= {"cpu_wait": 0.53, "cpu_wait_base": 0.38}
+    ranks[5] |= {"cpu_wait": 0.30, "cpu_wait_base": 0.30}
+    verdict = {**VERDICT, "also": [{"kind": "compute", "ranks": [2], "nodes": ["n2"], "strength": 8.0}]}
+    planner = Planner(client, run_dir)
+    planner.on_verdict(verdict, ranks)
+    assert planner.stragglers == {5: 3.0, 2: round((1 - 0.38) / (1 - 0.53), 3)}
+    # Without the CPU figure its work alone says it is not slow: not a straggler.
+    del ranks[2]["cpu_wait"]
+    planner = Planner(client, run_dir)
+    planner.on_verdict(verdict, ranks)
+    assert planner.stragglers == {5: 3.0}

@@ -69,23 +69,24 @@ class AgentConfig:
 
 
 class PollWindow:
-    """(wall, inside calls, iterations completed) of a rank's last ``history`` polls,
-    with running sums over the newest ``recent`` (:attr:`recent`) and the ones before
-    them (:attr:`older`): both are read every poll, and summing seventy tuples was a
-    fifth of a rank's publish. Seconds are kept as integer nanoseconds, so the running
-    sums are exact however long the job runs."""
+    """(wall, inside calls, iterations completed, waiting for a CPU) of a rank's last
+    ``history`` polls, with running sums over the newest ``recent`` (:attr:`recent`)
+    and the ones before them (:attr:`older`): both are read every poll, and summing
+    seventy tuples was a fifth of a rank's publish. Seconds are kept as integer
+    nanoseconds, so the running sums are exact however long the job runs."""
 
     def __init__(self, poll_s: float) -> None:
         self.recent_polls = polls_in(RECENT_S, poll_s)
         self.history_polls = polls_in(HISTORY_S, poll_s) + self.recent_polls
-        self._recent: collections.deque[tuple[int, int, int]] = collections.deque()
-        self._older: collections.deque[tuple[int, int, int]] = collections.deque()
-        self.recent = (0, 0, 0)
-        self.older = (0, 0, 0)
+        self._recent: collections.deque[tuple[int, ...]] = collections.deque()
+        self._older: collections.deque[tuple[int, ...]] = collections.deque()
+        self.recent: tuple[int, ...] = (0, 0, 0, 0)
+        self.older: tuple[int, ...] = (0, 0, 0, 0)
 
-    def append(self, poll: tuple[float, float, int]) -> None:
-        wall_s, blocked_s, iterations = poll
-        entry = (round(wall_s * 1e9), round(blocked_s * 1e9), int(iterations))
+    def append(self, poll: tuple[float, ...]) -> None:
+        """One poll: (wall s, inside calls s, iterations[, waiting for a CPU s])."""
+        wall_s, blocked_s, iterations, *waited = poll
+        entry = (round(wall_s * 1e9), round(blocked_s * 1e9), int(iterations), round((waited or [0.0])[0] * 1e9))
         self._recent.append(entry)
         self.recent = _plus(self.recent, entry)
         if len(self._recent) > self.recent_polls:
@@ -100,8 +101,8 @@ class PollWindow:
         return len(self._recent) + len(self._older)
 
 
-def _plus(sums: tuple[int, int, int], entry: tuple[int, int, int], sign: int = 1) -> tuple[int, int, int]:
-    return sums[0] + sign * entry[0], sums[1] + sign * entry[1], sums[2] + sign * entry[2]
+def _plus(sums: tuple[int, ...], entry: tuple[int, ...], sign: int = 1) -> tuple[int, ...]:
+    return tuple(a + sign * b for a, b in zip(sums, entry, strict=True))
 
 
 @dataclasses.dataclass
@@ -120,10 +121,13 @@ class _Process:
     last_poll: float | None = None
     sent: dict = dataclasses.field(default_factory=dict)
     """The rank's fields as last published (``store.publish_rank`` sends the changed ones)."""
+    run_delay_ns: int | None = None
+    """The process's main thread's seconds waiting for a CPU (schedstat) at the last
+    poll, in ns; None where the kernel does not say."""
 
     def compute_share(self) -> float | None:
         """Fraction of the recent wall time the process spent outside communication calls."""
-        wall, blocked, _ = self.polls.recent
+        wall, blocked, _, _ = self.polls.recent
         if wall <= 0:
             return None
         return max(0.0, 1.0 - blocked / wall)
@@ -139,9 +143,36 @@ class _Process:
         """
         return _per_iteration(self.polls.recent), _per_iteration(self.polls.older)
 
+    def cpu_wait_share(self) -> tuple[float | None, float | None]:
+        """(recent, baseline) fraction of the wall time the process's main thread was
+        ready to run and waited for a CPU: a CPU quota that throttles it, or other work
+        on its cores. Its work per iteration misses such a rank where the stops land
+        inside its calls (a throttled rank's work per iteration read 0.3x its own past
+        in the two-straggler cluster test); this does not: throttled ranks waited 0.6-0.9 of the time, the others
+        0.01-0.03 (before the quota, all of them 0.1-0.5 on 2 shared cores)."""
+        if self.run_delay_ns is None:
+            return None, None
+        return _waited(self.polls.recent), _waited(self.polls.older)
 
-def _per_iteration(sums: tuple[int, int, int]) -> float | None:
-    wall, blocked, iterations = sums
+
+def _waited(sums: tuple[int, ...]) -> float | None:
+    wall, _, _, waited = sums
+    return waited / wall if wall > 0 else None
+
+
+def run_delay_ns(pid: int) -> int | None:
+    """Nanoseconds the process's main thread has waited on a run queue
+    (/proc/PID/schedstat, second field: CPU quota throttling counts too); None where
+    the kernel has no schedstat or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _per_iteration(sums: tuple[int, ...]) -> float | None:
+    wall, blocked, iterations, _ = sums
     if iterations < MIN_ITERATIONS:
         return None
     return max(0, wall - blocked) / iterations * 1e-9
@@ -296,6 +327,9 @@ class NodeAgent:
         now = time.monotonic()
         for proc in self.processes.values():
             batch = proc.reader.read()
+            before_ns, now_ns = proc.run_delay_ns, run_delay_ns(proc.reader.info.pid)
+            proc.run_delay_ns = now_ns
+            waited_s = (now_ns - before_ns) / 1e9 if now_ns is not None and before_ns is not None else 0.0
             was_locked = proc.tracker.locked
             update = proc.tracker.feed(batch.records, lost=batch.lost)
             # The poll that locks on reports every iteration since the warm-up at once,
@@ -305,7 +339,7 @@ class NodeAgent:
             if proc.last_poll is not None and was_locked and update.withdrawn_from is None and \
                     now - proc.last_poll < max(STALLED_S, 2 * self.config.poll_s):
                 proc.polls.append((now - proc.last_poll, blocked_seconds(batch.records),
-                                   len(update.iteration_times)))
+                                   len(update.iteration_times), waited_s))
             proc.last_poll = now
             if update.withdrawn_from is not None:     # a re-lock renumbered these iterations
                 proc.published_iterations = min(proc.published_iterations, update.withdrawn_from)
@@ -425,6 +459,7 @@ class NodeAgent:
                 "node": self.node, "pid": info.pid, **self.summary(proc),
                 "compute_share": proc.compute_share(),
                 **dict(zip(("compute_s", "compute_base_s"), proc.compute_per_iteration())),
+                **dict(zip(("cpu_wait", "cpu_wait_base"), proc.cpu_wait_share())),
             }
             if with_comms:      # shown by `greyhound status` only: no decision waits for them
                 window = tracker.iteration_times[-self.config.comm_window_iterations:]

@@ -27,7 +27,7 @@ EVENTS_FILE = "events.jsonl"
 
 KINDS = (
     "control_plane_started", "control_plane_stopped", "control_plane_failed",
-    "detected", "recovered", "suspects", "back_to_tracking", "reexamining", "paused", "resumed",
+    "detected", "deepened", "recovered", "suspects", "back_to_tracking", "reexamining", "paused", "resumed",
     "validated", "verdict",
     "mitigation", "mitigation_ended", "mitigation_skipped", "relaid", "requeued",
 )

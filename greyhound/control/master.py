@@ -2,6 +2,7 @@
 
     tracking --(ranks' trackers report a sustained slowdown)--> profiling
     profiling --(suspects stable for a few polls)--> validating --> verdict, tracking
+    profiling --(the job's pace fell a fifth further: a fail-slow on top)--> profiling anew ("deepened")
     validating --(no suspect confirmed, a round left)--> profiling
     validating --(the pause could not be placed, a retry left)--> profiling
     profiling/validating --(the slowdown ended meanwhile)--> tracking ("back_to_tracking")
@@ -59,6 +60,16 @@ class MasterConfig:
     """Validation rounds of an episode that may find the pause unplaceable (a rank's
     tracker re-locking on a new micro-batch split: its step is unknown for a few
     seconds) and profile again instead of giving a verdict without validation."""
+    deepened_ratio: float = 1.2
+    """While profiling, a job whose iteration time rises this far above where profiling
+    began has a new fail-slow on top of the one detected: the evidence so far describes
+    the job before it, so profiling starts over. The agents' figures cover their last
+    seconds (agent.RECENT_S): a straggler that began a second after the detection (a
+    burst of other work on the node just before it, CI) was still below the suspects'
+    threshold when profiling settled on the other straggler alone."""
+    deepened_restarts: int = 3
+    """How often profiling may start over for a deepening slowdown (a slow ramp would
+    otherwise keep it profiling)."""
     recheck_s: float = 10.0
     """A slowdown validation pinned on nobody is examined again when it lasts this long
     after the verdict, then twice as long after each further "unknown": a fail-slow that
@@ -74,6 +85,10 @@ class MasterConfig:
             raise ValueError(f"placement_retries={self.placement_retries} must be >= 0")
         if self.validation_rounds < 1:
             raise ValueError(f"validation_rounds={self.validation_rounds} must be >= 1")
+        if not self.deepened_ratio > 1:
+            raise ValueError(f"deepened_ratio={self.deepened_ratio} must be > 1")
+        if self.deepened_restarts < 0:
+            raise ValueError(f"deepened_restarts={self.deepened_restarts} must be >= 0")
         if not self.recheck_s > 0:
             raise ValueError(f"recheck_s={self.recheck_s} must be > 0")
 
@@ -87,6 +102,10 @@ class _Episode:
     settled: list = dataclasses.field(default_factory=list)
     suspects: dict = dataclasses.field(default_factory=dict)
     polls: int = 0
+    pace_s: float | None = None
+    """The job's iteration time when profiling (re)started."""
+    deepened: int = 0
+    """Times profiling started over for a deepening slowdown."""
     rounds: int = 0
     """Validation rounds taken."""
     unplaced: int = 0
@@ -179,15 +198,29 @@ class Master:
     def _profile_again(self, ep: _Episode) -> None:
         ep.votes.clear()
         ep.suspects.clear()
-        ep.settled, ep.polls = [], 0
+        ep.settled, ep.polls, ep.pace_s = [], 0, None
         self._set("profiling")
 
     def _profile(self, ep: _Episode, ranks: dict) -> None:
+        pace_s = _job_pace_s(ranks)
+        if ep.pace_s is None:
+            ep.pace_s = pace_s
+        elif pace_s is not None and ep.pace_s is not None and pace_s > self.config.deepened_ratio * ep.pace_s \
+                and ep.deepened < self.config.deepened_restarts:
+            ep.deepened += 1
+            slowdowns = [float(s["slowdown"]) for s in ranks.values() if s.get("slowdown") not in (None, "")]
+            if slowdowns:
+                ep.slowdown = float(np.median(slowdowns))
+            self._event("deepened", iteration_s=round(pace_s, 4), was_s=round(ep.pace_s, 4),
+                        slowdown=round(ep.slowdown, 3), after_polls=ep.polls,
+                        why="the job slowed further while profiling: profiling starts over")
+            self._profile_again(ep)
+            ep.pace_s = pace_s
         stats = store.read_comm_stats(self.client, ranks)
         suspects = find_suspects(stats, rank_nodes={r: s.get("node", "?") for r, s in ranks.items()},
                                  compute_share={r: float(s["compute_share"]) for r, s in ranks.items()
                                                 if s.get("compute_share") not in (None, "")},
-                                 compute_rise=_compute_rise(ranks))
+                                 compute_rise=_compute_rise(ranks), cpu_wait=_cpu_wait(ranks))
         ep.polls += 1
         for s in suspects:
             key = (s.kind, s.ranks if s.kind == "compute" else s.nodes)
@@ -354,6 +387,12 @@ def _findings(suspects: list[Suspect], results: list[dict], slow_links: list[dic
     return out
 
 
+def _job_pace_s(ranks: dict) -> float | None:
+    """The job's iteration time now: the median rank's recent iteration time."""
+    current = [float(s["current_s"]) for s in ranks.values() if s.get("current_s") not in (None, "")]
+    return float(np.median(current)) if current else None
+
+
 def _compute_rise(ranks: dict) -> dict[int, float]:
     """rank -> its recent work per iteration / its earlier one, where the agent had both."""
     out = {}
@@ -361,6 +400,16 @@ def _compute_rise(ranks: dict) -> dict[int, float]:
         recent, base = state.get("compute_s"), state.get("compute_base_s")
         if recent not in (None, "") and base not in (None, "") and float(base) > 0:
             out[rank] = float(recent) / float(base)
+    return out
+
+
+def _cpu_wait(ranks: dict) -> dict[int, tuple[float, float]]:
+    """rank -> (recent, earlier) share of its time it waited for a CPU, where the agent had both."""
+    out = {}
+    for rank, state in ranks.items():
+        now, before = state.get("cpu_wait"), state.get("cpu_wait_base")
+        if now not in (None, "") and before not in (None, ""):
+            out[rank] = (float(now), float(before))
     return out
 
 

@@ -22,6 +22,14 @@ Two signals, both read from calls the job makes anyway (nothing is paused):
   its pipeline waits. (Arrival order alone would name the whole slow pipeline
   replica: in 1F1B every stage of the replica behind a slow stage arrives late at its
   DP all-reduce.)
+- **Starved of CPU.** A rank whose share of time spent ready to run but waiting for a
+  CPU (``cpu_wait``: a CPU quota throttling it, other work on its cores) is more than
+  ``CPU_WAIT_RISE`` of its time above the median rank's, and rose against its own past
+  by that much beyond the median rank's change, is a compute suspect too. A throttled
+  rank is stopped wherever its quota runs out, often inside a call (waking from a
+  receive needs the CPU as well), so its work per iteration can miss it: with two
+  ranks throttled, one read 6x its own past and the other 0.3x (the two-straggler
+  cluster test). Waiting for a CPU is read every poll, not per iteration.
 """
 
 from __future__ import annotations
@@ -39,6 +47,12 @@ WAIT_FRACTION = 0.05
 """How much more of its time a rank must compute than its peers to be suspect."""
 COMPUTE_TOLERANCE = 0.10
 """A rank computing more than 10% longer than its peers is suspect."""
+CPU_WAIT_RISE = 0.20
+"""How much more of its time a rank must wait for a CPU than the median rank does now,
+and beyond the median rank's change against its own past, to be suspect. Measured
+with two ranks under a CPU quota on 2 shared cores: they waited 0.48-0.74 of their
+time, the others 0.01-0.03; against their own past the throttled rose by 0.06-0.41
+(their past held the quota's first seconds), the others fell by 0.2-0.3."""
 SAME_BYTES_RTOL = 0.01
 COLLECTIVE_NAMES = frozenset(OP_NAMES[op] for op in COLLECTIVE_OPS)
 """The op names of collectives, as the agents publish a communicator's op."""
@@ -72,7 +86,8 @@ def _members(comm_stats: dict[int, dict[str, dict]]) -> dict[str, dict[int, dict
 
 
 def find_suspects(comm_stats: dict[int, dict[str, dict]], *, rank_nodes: dict[int, str],
-                  compute_share: dict[int, float], compute_rise: dict[int, float] | None = None) -> list[Suspect]:
+                  compute_share: dict[int, float], compute_rise: dict[int, float] | None = None,
+                  cpu_wait: dict[int, tuple[float, float]] | None = None) -> list[Suspect]:
     """Suspects, most suspicious first.
 
     Args:
@@ -82,12 +97,16 @@ def find_suspects(comm_stats: dict[int, dict[str, dict]], *, rank_nodes: dict[in
         compute_share: rank -> fraction of its recent wall time spent outside calls.
         compute_rise: rank -> its recent work per iteration / its earlier one (ranks
             without enough history left out).
+        cpu_wait: rank -> (recent, earlier) fraction of its time it waited for a CPU
+            (ranks without both left out).
     """
     members = _members(comm_stats)
     if compute_rise and 2 * len(compute_rise) >= max(len(compute_share), 2):
         suspects = _risen(compute_rise, rank_nodes)
     else:
         suspects = _busier_than_peers(members, compute_share, rank_nodes)
+    named = {s.ranks for s in suspects}
+    suspects += [s for s in _starved(cpu_wait or {}, rank_nodes) if s.ranks not in named]
     suspects += _slow_groups(members, rank_nodes)
     # A group whose member is a compute suspect is slow because of it (collectives on
     # CPU-driven transports run at the slow rank's pace too): not a link suspect.
@@ -107,6 +126,31 @@ def _risen(compute_rise: dict[int, float], rank_nodes: dict[int, str]) -> list[S
                                score=rise / median,
                                why=f"its own work per iteration rose {rise:.2f}x (the median rank's: "
                                    f"{median:.2f}x); the others wait in calls"))
+    return out
+
+
+def cpu_wait_slowness(now: float, before: float) -> float:
+    """How much slower a rank runs that waits for a CPU ``now`` of its time, against
+    ``before``: the share of its time it had one then over now."""
+    return (1 - before) / max(1 - now, 0.01)
+
+
+def _starved(cpu_wait: dict[int, tuple[float, float]], rank_nodes: dict[int, str]) -> list[Suspect]:
+    """Ranks waiting for a CPU a larger share of their time than the median rank does,
+    and more than they did beyond the median rank's change (a busier machine moves
+    every rank; a rank that always waited more is not new). The score is how much
+    slower the rank runs for it: the share of its time it had a CPU before over now."""
+    if len(cpu_wait) < 2:
+        return []
+    median_now = float(np.median([now for now, _ in cpu_wait.values()]))
+    median_rise = float(np.median([now - before for now, before in cpu_wait.values()]))
+    out = []
+    for rank, (now, before) in cpu_wait.items():
+        if now - median_now > CPU_WAIT_RISE and now - before - median_rise > CPU_WAIT_RISE and now > before:
+            out.append(Suspect(kind="compute", ranks=(rank,), nodes=(rank_nodes.get(rank, "?"),), comm=None,
+                               score=cpu_wait_slowness(now, before),
+                               why=f"it waits for a CPU {now:.0%} of its time ({before:.0%} before), the "
+                                   f"median rank {median_now:.0%}"))
     return out
 
 

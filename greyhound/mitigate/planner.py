@@ -68,6 +68,7 @@ import numpy as np
 from greyhound.control import store
 from greyhound.control.agent import polls_in
 from greyhound.control.events import append_event
+from greyhound.control.profile import cpu_wait_slowness
 from greyhound.mitigate import topology
 from greyhound.mitigate.gather import gather_stragglers
 from greyhound.mitigate.microbatch import makespan, split_microbatches
@@ -610,7 +611,8 @@ def _compute_findings(verdict: dict, ranks: dict) -> dict[int, float]:
 
     Validated means its GEMM was slow; how slow its training work is, is the rank's own
     work per iteration now over before (profiling's rise, against the rank itself: the
-    rise over the median rank's read 30x once, when the others' work fell), or the
+    rise over the median rank's read 30x once, when the others' work fell) or its share
+    of time with a CPU then over now, whichever says more (:func:`_own_slowness`), or the
     job's slowdown where the rank has no figure from before, at most its GEMM's ratio.
     Beside a link lead, a compute finding counts only with a GEMM of at least
     ``BESIDE_LINK_GEMM_MIN`` and a rise of its own: a link at 1% of its bandwidth slows
@@ -629,10 +631,8 @@ def _compute_findings(verdict: dict, ranks: dict) -> dict[int, float]:
             continue
         rank = int(finding["ranks"][0])
         gemm = float(finding.get("strength") or 1.0)
-        state = ranks.get(rank, {})
-        try:
-            rise = float(state["compute_s"]) / float(state["compute_base_s"])
-        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        rise = _own_slowness(ranks.get(rank, {}))
+        if rise is None:
             if verdict.get("kind") == "link":
                 continue        # beside a link, only a rank whose own work rose
             # No figure of its own from before (profiling named it by its share of
@@ -648,6 +648,24 @@ def _compute_findings(verdict: dict, ranks: dict) -> dict[int, float]:
         if slowness > 1:
             out[rank] = round(slowness, 3)
     return out
+
+
+def _own_slowness(state: dict) -> float | None:
+    """How much slower a rank runs now than before by its own figures: its work per
+    iteration, or its share of time with a CPU, whichever says more (a throttled rank
+    stopped inside its calls shows in the second only: one such rank's work read 0.3x
+    and 0.98x its past; throttled ranks waited for a CPU 60-90% of their time, the
+    others 1-3%); None without either."""
+    figures = []
+    try:
+        figures.append(float(state["compute_s"]) / float(state["compute_base_s"]))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        pass
+    try:
+        figures.append(cpu_wait_slowness(float(state["cpu_wait"]), float(state["cpu_wait_base"])))
+    except (KeyError, TypeError, ValueError):
+        pass
+    return max(figures) if figures else None
 
 
 def _findings_place(verdict: dict, found: dict[int, float]) -> dict:
