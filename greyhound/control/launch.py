@@ -27,8 +27,10 @@ from greyhound.control.redis_server import ADDRESS_FILE
 from greyhound.slurm_client import start_overlap_step
 
 LOG_FILE = "control-plane.log"
-STARTS = 2
+STARTS = 3
 """Attempts to start the plane before one line says it could not."""
+RETRY_AFTER_S = 5.0
+"""Seconds before the second start, doubled before each later one."""
 START_TIMEOUT_S = 60.0
 """How long one start may take to bring the master's Redis up. It took 3-4 s from the
 batch step's start on the local cluster with 8 training ranks starting beside it
@@ -94,15 +96,9 @@ def main() -> int:
     # The plane runs on the interpreter that runs this (the plugstack's python=).
     # A plane rank that waits in a blocking MPI call yields its core (Open MPI polls in a
     # busy loop otherwise): the cores are the job's.
-    # Each rank listens on a port the kernel picks: Open MPI's TCP transport otherwise
-    # binds the first free port from 1024, the same port on a node for every plane, and
-    # a rank of the plane that had just ended (the job before, or a failed start) still
-    # sending there reached the new one. Its message, from a world the new rank does not
-    # know, arrived inside MPI_Init before any handler was set: a NULL call under
-    # opal_progress, twice in a row in one CI run, each within 2 s of the job before
-    # ending (the core: a MATCH fragment, no PML handler registered, which no peer of
-    # the rank's own world can cause, as none leaves MPI_Init before all have set them).
-    # After MPI_Init such a message could be matched as one of the plane's own.
+    # Each rank listens on a port the kernel picks, not Open MPI's first free one from
+    # 1024 (the same port on a node for every plane): a rank of a plane that just ended
+    # cannot reach the next one there.
     # All peers are added inside MPI_Init (add_procs_cutoff), not on a first message:
     # one per node, a few thousand at most.
     env = {**os.environ, "GREYHOUND_CONTROL_PLANE": "1", "OMPI_MCA_mpi_add_procs_cutoff": "1000000",
@@ -120,10 +116,21 @@ def main() -> int:
         started, ended = _wait(proc, Path(run_dir) / ADDRESS_FILE, ending)
         if ending or started:
             break
-        # A start can fail for reasons of the moment (a node's slurmd slow to answer
-        # srun, a crash inside MPI_Init as above): one more start before giving up.
+        # A start can fail for reasons of the moment: a node's slurmd slow to answer
+        # srun, or a crash inside MPI_Init. The crashes (9 in about 260 starts, in runs:
+        # twice in a row in two jobs, each start within seconds of a job ending there)
+        # are a NULL handler called for a message from a peer of the rank's own world
+        # that had left MPI_Init while this rank had not yet registered its handlers
+        # (the cores: a MATCH fragment, its sender's vpid in the same job id), which the
+        # PMIx fence at the end of MPI_Init should rule out. A later start, a few
+        # seconds on, finds the nodes quieter.
         if attempt < STARTS:
-            os.write(fd, f"greyhound: control plane: start {attempt} failed ({ended}); starting again\n".encode())
+            wait_s = RETRY_AFTER_S * 2 ** (attempt - 1)
+            os.write(fd, f"greyhound: control plane: start {attempt} failed ({ended}); starting again "
+                         f"in {wait_s:g} s\n".encode())
+            deadline = time.monotonic() + wait_s
+            while not ending and time.monotonic() < deadline:
+                time.sleep(0.2)
     os.close(fd)
     if not ending and not started:
         why = _last_line(log_path) or ended
