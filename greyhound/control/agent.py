@@ -148,8 +148,9 @@ class _Process:
         ready to run and waited for a CPU: a CPU quota that throttles it, or other work
         on its cores. Its work per iteration misses such a rank where the stops land
         inside its calls (a throttled rank's work per iteration read 0.3x its own past
-        in the two-straggler cluster test); this does not: throttled ranks waited 0.6-0.9 of the time, the others
-        0.01-0.03 (before the quota, all of them 0.1-0.5 on 2 shared cores)."""
+        in the two-straggler cluster test); this does not: throttled ranks waited
+        0.6-0.9 of each second, the others 0.01-0.03 (before the quota, all of them
+        0.1-0.5 on 2 shared cores)."""
         if self.run_delay_ns is None:
             return None, None
         return _waited(self.polls.recent), _waited(self.polls.older)
