@@ -111,3 +111,47 @@ def test_a_rank_whose_tracker_has_no_lock_is_cut_by_its_last_calls(tmp_path):
     assert OP_NAMES[int(cut["op"])] == "AllReduce" and int(cut["call_number"]) == clock.cut_call
     assert 0.004 <= clock.iteration_s < 0.1
     agent.close()
+
+
+def test_polls_in_between_join_the_next_regular_polls_window_entry(tmp_path):
+    # A rank stepping every 5 ms for a few seconds; the agent polls once every 0.4 s and
+    # three times in between. Each entry of the rank's window spans a regular poll's
+    # whole interval and its iterations, whatever the agent read in between.
+    import subprocess
+    import time
+
+    from hook_support import ready_ring
+
+    proc = subprocess.Popen([PYTHON, "-c", STAGE_STEPS, "1200"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=base_env(tmp_path, hook_lib(), PMI_RANK="0", SLURMD_NODENAME="n7"))
+    try:
+        ready_ring(tmp_path)
+        agent = NodeAgent(tmp_path, "n7")
+        deadline = time.monotonic() + 30
+        while not (agent.processes and next(iter(agent.processes.values())).tracker.locked):
+            assert time.monotonic() < deadline, "the tracker did not lock on the steps"
+            agent.poll()
+            time.sleep(0.1)
+        (rank,) = agent.processes.values()
+        agent.poll()
+        entries, regular = [], [time.monotonic()]
+        for _ in range(3):
+            last = rank.polls._recent[-1]
+            for _ in range(3):
+                time.sleep(0.1)
+                agent.poll(between=True)
+                assert rank.polls._recent[-1] is last       # nothing appended in between
+            time.sleep(0.1)
+            agent.poll()
+            regular.append(time.monotonic())
+            entries.append(rank.polls._recent[-1])
+        assert proc.poll() is None, "the rank ended before the last poll"
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, proc.stderr.read()
+    for (wall_ns, blocked_ns, iterations, _), start, end in zip(entries, regular, regular[1:]):
+        assert wall_ns / 1e9 == pytest.approx(end - start, abs=0.02)
+        assert 0 < blocked_ns < wall_ns
+        # 5 ms steps (4 ms of sleep and the calls) over about 0.4 s: tens, not a poll's few.
+        assert 40 <= iterations <= 100, iterations
+    agent.close()

@@ -101,6 +101,26 @@ def test_one_slow_rank_of_eight_is_not_a_slow_job(job):
     assert master.state == "tracking" and read_events(run_dir) == []
 
 
+def test_a_look_between_polls_opens_the_episode_and_leaves_the_rest_to_the_poll(job):
+    run_dir, client = job
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_s=1.0))
+    publish(client, slow_ranks=[3])
+    master.watch()                       # one slow rank: not a slow job
+    assert master.state == "tracking" and read_events(run_dir) == []
+    publish(client, slow_ranks=range(8), late_rank=5)
+    master.watch()
+    (detected,) = read_events(run_dir)
+    assert detected["kind"] == "detected" and detected["ranks"] == list(range(8))
+    assert detected["delay_iterations"] == 60 - 1 - 40
+    assert master.state == "profiling" and client.hget(store.PLANE, "state") == "profiling"
+    master.watch()                       # the episode is open: profiling is the poll's
+    master.watch()
+    assert master.state == "profiling" and master.take_request() is None
+    assert [e["kind"] for e in read_events(run_dir)] == ["detected"]
+    master.step()                        # the poll settles the suspects: a validation request
+    assert master.state == "validating" and master.take_request() is not None
+
+
 def _profiled(job, **kw):
     run_dir, client = job
     kw.setdefault("config", MasterConfig(profile_s=1.0))

@@ -136,6 +136,25 @@ def test_a_partial_first_iteration_is_no_fail_slow_and_an_injection_is_found():
     assert interval.slowdown == pytest.approx(1.4, rel=0.03)
 
 
+def test_a_candidate_change_is_pending_from_its_first_slow_iterations_until_it_is_accepted():
+    # What the agent's polls in between key on: the detector weighs the 1.4x step at
+    # 150 before it accepts it at 153 (its 4th slow iteration), and nothing is pending
+    # while the series is steady.
+    rng = np.random.default_rng(7)
+    x = 0.19 * np.exp(rng.normal(0, 0.01, 200))
+    x[150:] *= 1.4
+    records = _records(x, layout="ddp")
+    tracker, pending = RankTracker(), {}
+    for lo in range(0, len(records), 7):          # a few calls at a time: every iteration seen
+        tracker.feed(records[lo:lo + 7])
+        pending.setdefault(tracker.num_iterations, tracker.pending_change)
+    (onset,) = tracker.changepoints
+    assert (onset.index, onset.detected_at) == (150, 153)
+    assert all(pending[n] is None for n in range(40, 150) if n in pending)
+    assert {pending.get(n) for n in (152, 153)} == {150}     # 2 and 3 slow iterations seen
+    assert pending[max(pending)] is None
+
+
 @pytest.mark.parametrize("layout", ["ddp", "hybrid"])
 def test_brief_disturbances_are_no_fail_slow(layout):
     # A GC pause, an evaluation, a GC pause with 2 slow iterations after it, a

@@ -495,6 +495,12 @@ class RankTracker:
         return self._clock.locked
 
     @property
+    def pending_change(self) -> int | None:
+        """The iteration where a candidate change starts while BOCD+V weighs it (it is
+        accepted from its ``min_after``-th iteration on, or dropped); None when none is."""
+        return self._detector.pending
+
+    @property
     def locks(self) -> tuple[Segment, ...]:
         """The clock's locks, oldest first (the current one last while :attr:`locked`):
         period, first call and first iteration of each, and ``locked_at``, the calls

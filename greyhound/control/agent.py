@@ -49,6 +49,12 @@ class AgentConfig:
     poll_s: float = 1.0
     """Seconds between polls of the rings (at most 1 s keeps detection within seconds;
     half a second cost the plane twice the CPU, almost all of it per poll)."""
+    watch_poll_s: float = 0.25
+    """Seconds between the polls in between (:meth:`NodeAgent.watching`) while a rank's
+    detector weighs a candidate change: it accepts one on the candidate's 4th slow
+    iteration, and a poll a second apart reported that up to a second later (median 4
+    iterations past the onset at the 1 s poll, 3 at 0.5 s). No effect at ``poll_s`` at
+    or below it."""
     comm_window_iterations: int = 10
     """Iterations the per-communicator figures cover."""
     comm_every_s: float = 2.0
@@ -62,6 +68,8 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if not 0 < self.poll_s <= 10:
             raise ValueError(f"poll_s={self.poll_s} must be in (0, 10] seconds")
+        if not self.watch_poll_s > 0:
+            raise ValueError(f"watch_poll_s={self.watch_poll_s} must be > 0 seconds")
         if not (self.comm_every_s > 0 and self.summary_every_s > 0):
             raise ValueError("comm_every_s and summary_every_s must be > 0")
         if self.comm_window_iterations < 1:
@@ -101,7 +109,7 @@ class PollWindow:
         return len(self._recent) + len(self._older)
 
 
-def _plus(sums: tuple[int, ...], entry: tuple[int, ...], sign: int = 1) -> tuple[int, ...]:
+def _plus(sums: tuple, entry: tuple, sign: int = 1) -> tuple:
     return tuple(a + sign * b for a, b in zip(sums, entry, strict=True))
 
 
@@ -119,6 +127,9 @@ class _Process:
     summary_cache: tuple | None = None
     """(change points seen, the slow-interval fields) of the last full summary."""
     last_poll: float | None = None
+    unwindowed: tuple[float, float, int, float] = (0.0, 0.0, 0, 0.0)
+    """The polls in between since the last poll that went into :attr:`polls`, summed:
+    a window's entry covers a whole ``poll_s`` however often the agent looked."""
     sent: dict = dataclasses.field(default_factory=dict)
     """The rank's fields as last published (``store.publish_rank`` sends the changed ones)."""
     run_delay_ns: int | None = None
@@ -284,6 +295,8 @@ class NodeAgent:
         self.processes: dict[Path, _Process] = {}
         self._foreign: set[Path] = set()
         self._polls = 0
+        self.between_polls = 0
+        """Polls in between (:meth:`watching`) so far."""
         self._comm_every = polls_in(self.config.comm_every_s, self.config.poll_s)
         self._summary_every = polls_in(self.config.summary_every_s, self.config.poll_s)
         self._listed: int | None = None
@@ -322,9 +335,11 @@ class NodeAgent:
         settled = mtime is not None and time.time_ns() - mtime > 1_000_000_000
         self._listed = mtime if ready and settled else None
 
-    def poll(self) -> None:
-        """Reads every ring and feeds its tracker."""
+    def poll(self, *, between: bool = False) -> None:
+        """Reads every ring and feeds its tracker; ``between``: a poll in between
+        (:meth:`watching`), whose figures join the next regular poll's window entry."""
         self.discover()
+        self.between_polls += between
         now = time.monotonic()
         for proc in self.processes.values():
             batch = proc.reader.read()
@@ -339,12 +354,23 @@ class NodeAgent:
             # record yet, and would read as seconds of work on every rank.
             if proc.last_poll is not None and was_locked and update.withdrawn_from is None and \
                     now - proc.last_poll < max(STALLED_S, 2 * self.config.poll_s):
-                proc.polls.append((now - proc.last_poll, blocked_seconds(batch.records),
-                                   len(update.iteration_times), waited_s))
+                proc.unwindowed = _plus(proc.unwindowed, (now - proc.last_poll, blocked_seconds(batch.records),
+                                                          len(update.iteration_times), waited_s))
+            if not between:
+                if proc.unwindowed[0] > 0:
+                    proc.polls.append(proc.unwindowed)
+                proc.unwindowed = (0.0, 0.0, 0, 0.0)
             proc.last_poll = now
             if update.withdrawn_from is not None:     # a re-lock renumbered these iterations
                 proc.published_iterations = min(proc.published_iterations, update.withdrawn_from)
                 proc.republish = True
+
+    def watching(self) -> bool:
+        """Whether a rank's detector weighs a candidate change now: the plane then polls
+        every ``watch_poll_s`` until the next regular poll, so the change is reported
+        as soon as the detector accepts it. A healthy job's candidates are rare and
+        short (a spike is dropped at the next normal iteration)."""
+        return any(proc.tracker.pending_change is not None for proc in self.processes.values())
 
     def comm_stats(self, proc: _Process) -> dict[str, dict]:
         """Per communicator over the last iterations: bytes, seconds and calls per
@@ -370,15 +396,14 @@ class NodeAgent:
             }
         return out
 
-    def summary(self, proc: _Process) -> dict:
+    def summary(self, proc: _Process, *, refresh: bool = False) -> dict:
         """A rank's tracking state as the store keeps it (``rank:{rank}``). The slow
         interval and baseline are worked out again (a pass over the whole series) only
-        when the change points changed or every ``summary_every_s``."""
+        when the change points changed or on ``refresh`` (every ``summary_every_s``)."""
         tracker = proc.tracker
         n = tracker.num_iterations
         cached = proc.summary_cache
-        if cached is None or cached[0] != len(tracker.changepoints) or \
-                self._polls % self._summary_every == 0:
+        if cached is None or cached[0] != len(tracker.changepoints) or refresh:
             detection = tracker.detection()
             slow = detection.slow_intervals[-1] if detection.slow_intervals and \
                 detection.slow_intervals[-1].end_index is None else None
@@ -435,11 +460,14 @@ class NodeAgent:
             cut_step=int(cut["comm_ordinal"]) // per_step, cut_call=int(cut["call_number"]),
             step_calls=step_calls)
 
-    def publish(self, client) -> None:
+    def publish(self, client, *, between: bool = False) -> None:
         """Each rank's state, new iteration times and (every few polls) comm figures,
-        and the agent's heartbeat: one round trip to Redis."""
-        self._polls += 1
-        with_comms = self._polls % self._comm_every == 1 or self._comm_every == 1
+        and the agent's heartbeat: one round trip to Redis. ``between``: after a poll
+        in between, the state alone (the regular polls keep their count)."""
+        if not between:
+            self._polls += 1
+        with_comms = not between and (self._polls % self._comm_every == 1 or self._comm_every == 1)
+        refresh = not between and self._polls % self._summary_every == 0
         pipe = client.pipeline(transaction=False)
         ranks = []
         for proc in self.processes.values():
@@ -457,7 +485,7 @@ class NodeAgent:
                 new = tracker.iteration_times[max(first, n - store.ITERATIONS_KEPT):].tolist()
                 proc.published_iterations = n
             fields = {
-                "node": self.node, "pid": info.pid, **self.summary(proc),
+                "node": self.node, "pid": info.pid, **self.summary(proc, refresh=refresh),
                 "compute_share": proc.compute_share(),
                 **dict(zip(("compute_s", "compute_base_s"), proc.compute_per_iteration())),
                 **dict(zip(("cpu_wait", "cpu_wait_base"), proc.cpu_wait_share())),
@@ -470,7 +498,7 @@ class NodeAgent:
                                comms=self.comm_stats(proc) if with_comms else None, sent=proc.sent)
         pipe.hset(store.agent_key(self.node), mapping={
             "heartbeat": time.time(), "ranks": store.dumps(sorted(ranks)),
-            "cpu_s": time.process_time(),
+            "cpu_s": time.process_time(), "between_polls": self.between_polls,
         })
         pipe.execute()
 

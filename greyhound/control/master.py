@@ -149,27 +149,12 @@ class Master:
         job = store.read_job(self.client)
         ranks = job["ranks"]
         self._plan("poll", ranks)
-        slow = {r: s for r, s in ranks.items() if s.get("slow_since") not in (None, "")}
-        job_slow = bool(ranks) and len(slow) >= self.config.slow_rank_fraction * len(ranks)
         ep = self.episode
         if ep is None:
-            if job_slow:
-                # The ranks' own onsets differ by their trackers' numbering and noise:
-                # the median is the job's.
-                onset = int(np.median([int(s["slow_since"]) for s in slow.values()]))
-                slowdown = float(np.median([float(s.get("slowdown") or 1.0) for s in slow.values()]))
-                # Iterations each rank had finished past its own onset when it reported:
-                # the detector's delay (the plane's polls add up to a poll or two on top).
-                delay = int(np.median([int(s.get("iterations") or 0) - 1 - int(s["slow_since"])
-                                       for s in slow.values()]))
-                self.episode = _Episode(onset=onset, slowdown=slowdown, detected_s=time.time())
-                self._event("detected", onset_iteration=onset, delay_iterations=delay, slowdown=round(slowdown, 3),
-                            ranks=sorted(slow))
-                self._set("profiling")
-            else:
+            if not self._detect(ranks):
                 store.set_plane_state(self.client, self.state)
             return
-        if not job_slow:
+        if not self._slow(ranks):
             if ep.verdict is None:
                 self._event("back_to_tracking", why=f"the slowdown ended while {self.state}")
             else:
@@ -194,6 +179,36 @@ class Master:
             self._profile_again(ep)
         else:
             store.set_plane_state(self.client, self.state)
+
+    def watch(self) -> None:
+        """Between polls, while this node's detectors weigh a candidate change
+        (agent.NodeAgent.watching): whether the job has become slow, and nothing else."""
+        if self.episode is None:
+            self._detect(store.read_job(self.client)["ranks"])
+
+    def _slow(self, ranks: dict) -> dict:
+        """The ranks that report a slow interval, when they are enough to make the job
+        slow (``slow_rank_fraction``); else {}."""
+        slow = {r: s for r, s in ranks.items() if s.get("slow_since") not in (None, "")}
+        return slow if ranks and len(slow) >= self.config.slow_rank_fraction * len(ranks) else {}
+
+    def _detect(self, ranks: dict) -> bool:
+        """Opens an episode (``detected``, then profiling) when the job is slow."""
+        slow = self._slow(ranks)
+        if not slow:
+            return False
+        # The ranks' own onsets differ by their trackers' numbering and noise: the
+        # median is the job's.
+        onset = int(np.median([int(s["slow_since"]) for s in slow.values()]))
+        slowdown = float(np.median([float(s.get("slowdown") or 1.0) for s in slow.values()]))
+        # Iterations each rank had finished past its own onset when it reported: the
+        # detector's delay (the plane's polls add up to a poll or two on top).
+        delay = int(np.median([int(s.get("iterations") or 0) - 1 - int(s["slow_since"]) for s in slow.values()]))
+        self.episode = _Episode(onset=onset, slowdown=slowdown, detected_s=time.time())
+        self._event("detected", onset_iteration=onset, delay_iterations=delay, slowdown=round(slowdown, 3),
+                    ranks=sorted(slow))
+        self._set("profiling")
+        return True
 
     def _profile_again(self, ep: _Episode) -> None:
         ep.votes.clear()

@@ -3,6 +3,8 @@ greyhound.control.plane``, started by the SPANK plugin with ``srun --overlap``).
 
 Every rank is its node's agent; rank 0 is also the master and runs the job's Redis.
 Each poll: agents read their rings and publish, then the master decides (master.py).
+While a rank's detector weighs a candidate change, its agent polls and publishes four
+times as often until the next poll, and the master looks for a slow job each time.
 When it asks for a validation round, it calls the other ranks into it with a one-byte
 message each, which they test for once a poll; all ranks take part in the round (the
 pause is job-wide and the P2P tests run between nodes). Nothing else passes between
@@ -25,6 +27,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -112,7 +115,9 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
                                            stopped=lambda: stop.requested)
                 if master is not None:
                     master.complete_validation(outcome)
-            time.sleep(max(0.0, config.agent.poll_s - (time.monotonic() - t0)))
+            poll_between(agent, client, master, until=t0 + config.agent.poll_s,
+                         every_s=config.agent.watch_poll_s, stopped=lambda: stop.requested)
+            time.sleep(max(0.0, t0 + config.agent.poll_s - time.monotonic()))
     except Exception as exc:
         agent.resume()
         if not stop.requested:      # at the job's end Redis or a peer may go first: not a failure
@@ -132,6 +137,20 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
         assert redis_proc is not None  # rank 0 started it: the address is not None
         stop_redis(redis_proc)
     return 0
+
+
+def poll_between(agent: NodeAgent, client, master: Master | None, *, until: float, every_s: float,
+                 stopped: Callable[[], bool]) -> None:
+    """The polls in between, until the next regular one at ``until`` (monotonic): while
+    this node's detectors weigh a candidate change, poll, publish and (on the master's
+    node) look for a slow job every ``every_s``. A healthy job's polls stay ``poll_s``
+    apart: the plane's cost is per poll."""
+    while not stopped() and agent.watching() and time.monotonic() + every_s < until:
+        time.sleep(every_s)
+        agent.poll(between=True)
+        agent.publish(client, between=True)
+        if master is not None and not stopped():
+            master.watch()
 
 
 def _planner(client, run_dir: Path, poll_s: float):

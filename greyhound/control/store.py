@@ -6,7 +6,7 @@ has one writer: the module named beside it; everyone else only reads it.
 | key | type | writer | what |
 |---|---|---|---|
 | ``plane`` | hash | master | ``state`` (see STATES), ``since``, ``master_node``, ``nodes`` (JSON list), ``poll_s``, ``heartbeat`` (Unix s) |
-| ``agent:{node}`` | hash | agent | ``heartbeat``, ``ranks`` (JSON list), ``cpu_s`` (the agent's CPU time) |
+| ``agent:{node}`` | hash | agent | ``heartbeat``, ``ranks`` (JSON list), ``cpu_s`` (the agent's CPU time), ``between_polls`` (its polls in between) |
 | ``rank:{rank}`` | hash | agent | ``node``, ``pid``, ``period``, ``iterations``, ``current_s``, ``baseline_s``, ``slowdown``, ``slow_since`` (iteration, "" when healthy), ``changepoints`` (JSON list), ``lost``, ``window_s`` (mean iteration time over the comm window; with ``counters``, every few polls), ``compute_share`` (recent fraction of time outside calls), ``compute_s`` and ``compute_base_s`` (seconds an iteration spends outside calls: recently, and before), ``counters`` |
 | ``iters:{rank}`` | list | agent | the last ITERATIONS_KEPT iteration times (s), oldest first (appended every few polls) |
 | ``comms:{rank}`` | hash | agent | comm id -> JSON ``{"bytes_per_iter", "seconds_per_iter", "calls_per_iter", "op"}`` over the recent window |
