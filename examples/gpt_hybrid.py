@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="micro-batches per step, split evenly over the DP replicas (default 2*pp each)")
     batch.add_argument("--microbatch-split", type=str, default=None, metavar="m0,m1,...",
                        help="micro-batches per step of each DP replica (uneven allowed)")
+    par.add_argument("--microbatch-multiple", type=int, default=1, metavar="P",
+                     help="under greyhound's plans every replica's micro-batches stay a multiple of P "
+                          "(the paper's 1F1B constraint: P = pp)")
     tr = p.add_argument_group("training")
     tr.add_argument("--steps", type=int, default=20, help="train until this many steps are done")
     tr.add_argument("--seed", type=int, default=0)
@@ -120,6 +123,7 @@ def configs_from_args(argv: list[str] | None = None) -> tuple[TrainConfig, Model
         dp=a.dp, pp=a.pp,
         microbatch_split=resolve_split(dp=a.dp, pp=a.pp, global_microbatches=a.global_microbatches,
                                        microbatch_split=split),
+        microbatch_multiple=a.microbatch_multiple,
         steps=a.steps, seed=a.seed, lr=a.lr, stage_layers=a.stage_layers, rank_order=a.rank_order,
         grad_accum_float64=a.grad_accum_dtype == "float64", backend=a.backend, threads=a.threads,
         metrics=a.metrics, trace_dir=a.trace, trace_every=a.trace_every, checkpoint_dir=a.checkpoint,

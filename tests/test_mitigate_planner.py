@@ -214,6 +214,15 @@ def test_the_training_side_is_inert_outside_mitigate_mode(monkeypatch, tmp_path)
     assert not Mitigation.from_env(microbatch_split=(8, 8), replicas=REPLICAS, rank=0).active
     with pytest.raises(ValueError, match="one entry >= 1 per replica"):
         Mitigation(microbatch_split=(8,), replicas=REPLICAS, rank=0, active=False)
+    with pytest.raises(ValueError, match=r"microbatch_multiple 3 must be an integer >= 1 that divides"):
+        Mitigation(microbatch_split=(8, 8), replicas=REPLICAS, rank=0, active=False, microbatch_multiple=3)
+
+
+def test_a_plan_that_breaks_the_jobs_micro_batch_multiple_is_refused():
+    m = Mitigation(microbatch_split=(4, 4), replicas=[[0], [1]], rank=0, active=False, microbatch_multiple=2)
+    assert m._check({"version": 1, "microbatch_split": [6, 2]}).microbatch_split == (6, 2)
+    with pytest.raises(ValueError, match=r"\[5, 3\] is not 2 integers >= 1 summing to 8, each a multiple of 2"):
+        m._check({"version": 1, "microbatch_split": [5, 3]})
 
 
 def _train(rank: int, port: int, run_dir: str, steps: int, out) -> None:
@@ -280,7 +289,8 @@ def test_every_rank_switches_to_a_plan_at_the_same_step_and_a_bad_plan_changes_n
     want = ([(4, 4, False, own)] * 3 + [(6, 2, False, own)] * 5 + [(6, 2, True, own)] + [(6, 2, False, own)] * 2
             + [(6, 2, False, swapped)] * 3 + [(4, 4, False, swapped)] * 2)
     assert got[0] == got[1] == want
-    assert json.loads(client.get(store.TRAINING_LAYOUT)) == {"microbatch_split": [4, 4], "replicas": [[0], [1]]}
+    assert json.loads(client.get(store.TRAINING_LAYOUT)) == {"microbatch_split": [4, 4], "replicas": [[0], [1]],
+                                                             "microbatch_multiple": 1}
     assert json.loads(client.get(store.TRAINING_APPLIED)) == {"version": 7, "step": 14, "microbatch_split": [4, 4],
                                                               "placement": [[1, 0], [0, 0]]}
     assert json.loads(client.get(store.TRAINING_CHECKPOINTED)) == {"version": 3, "step": 8}
@@ -407,38 +417,41 @@ def test_beside_a_link_a_gemm_the_link_may_have_slowed_or_a_rank_without_its_own
         assert planner.s3 is not None and "then_s2" not in planner.s3, (gemm, compute)
 
 
-def _two_stragglers(job, second: int):
+def _two_stragglers(job, second: int, **layout):
     """A verdict naming rank 2 (replica 0's stage 2) and ``second``, both 3x slow, and
-    the planner's plans after it and after one more poll."""
+    the planner's plans after it (None: none) and after one more poll."""
     run_dir, client = job
     nodes = ["n1", "n1", "n2", "n2", "n3", "n3", "n4", "n4"]
-    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS, **layout}))
     _board(client, nodes)
     ranks = {r: {**state, "node": nodes[r]} for r, state in _ranks({2: 0.15, second: 0.15}).items()}
     verdict = {**VERDICT, "ranks": [2], "nodes": ["n2"], "where": "rank 2 on n2", "link_bandwidth_Bps": 1e8,
                "also": [{"kind": "compute", "ranks": [second], "nodes": [nodes[second]], "strength": 8.0}]}
     planner = Planner(client, run_dir)
     planner.on_verdict(verdict, ranks)
-    first = json.loads(client.get(store.PLAN))
+    first = json.loads(client.get(store.PLAN) or "null")
     planner.poll(ranks)                       # lost 5 s: more than a rebuild's two steps
-    return first, json.loads(client.get(store.PLAN)), read_events(run_dir)
+    return first, json.loads(client.get(store.PLAN) or "null"), read_events(run_dir)
 
 
 def test_two_stragglers_in_two_replicas_are_gathered_into_one_and_s2_unloads_it(job):
     # Rank 5 runs replica 1's stage 1: both replicas 3x slow, so S2 alone cannot help.
     first, plan, events = _two_stragglers(job, 5)
-    assert (first["level"], first["microbatch_split"]) == ("S2", [8, 8])
-    assert (plan["version"], plan["level"]) == (2, "S3")
+    assert first is None                 # S2's best is the even split: no plan, an event
+    assert [(e["kind"], e["level"]) for e in events][:1] == [("mitigation_skipped", "S2")]
+    assert (plan["version"], plan["level"]) == (1, "S3")
     cells = plan["placement"]
     # Rank 5 takes rank 1's cell (replica 0, stage 1) and rank 1 its: each keeps its
     # stage (nothing to send), and replica 1 is clean.
     assert cells[2] == [0, 2] and cells[5] == [0, 1] and cells[1] == [1, 1]
     assert all(cells[r] == [r // 4, r % 4] for r in (0, 3, 4, 6, 7))
-    # S2 over the gathered replicas: 4 x 3 = 12 x 1 (even: 8 x 3 = 24).
+    # S2 over the gathered replicas: 4 x 3 = 12 x 1 (even: 8 x 3 = 24). Modelled 1F1B
+    # steps: 7 x 3 + 3 + 3 = 27 in each replica before; 3 x 3 + (3 + 3 + 1 + 1) = 17
+    # after (the clean replica 11 + 4).
     assert plan["microbatch_split"] == [4, 12]
     event = events[-1]
-    assert (event["kind"], event["level"], event["moves"], event["modelled_makespan_microbatches"]) == \
-        ("mitigation", "S3", [], [24.0, 12.0])
+    assert (event["kind"], event["level"], event["moves"], event["modelled_step_microbatches"]) == \
+        ("mitigation", "S3", [], [27.0, 17.0])
     assert "rank 2" in event["why"] and "rank 5" in event["why"]
 
 
@@ -448,7 +461,36 @@ def test_two_stragglers_already_in_one_replica_stay_there(job):
     first, plan, events = _two_stragglers(job, 1)
     assert (first["level"], first["microbatch_split"]) == ("S2", [4, 12]) and plan == first
     skipped = [e for e in events if e["kind"] == "mitigation_skipped"]
-    assert skipped and skipped[0]["level"] == "S3" and "no gathering" in skipped[0]["why"]
+    assert skipped and skipped[0]["level"] == "S3" and "neither gathering" in skipped[0]["why"]
+
+
+def test_two_stragglers_in_one_replica_of_a_job_that_splits_in_whole_pipelines_are_put_into_one_stage(job):
+    # Ranks 1 and 2 run replica 0's stages 1 and 2; the job keeps each replica's
+    # micro-batches a multiple of the pipeline depth (4 + 4): no split helps. One
+    # stage does: each replica then has one slow stage (modelled 3 x 3 + 3 + 3 = 15
+    # against 3 x 3 + 3 + 3 + 1 + 1 = 17 in replica 0 now).
+    first, plan, events = _two_stragglers(job, 1, microbatch_split=[4, 4], microbatch_multiple=4)
+    assert first is None
+    skipped = [e for e in events if e["kind"] == "mitigation_skipped"]
+    assert skipped[0]["level"] == "S2" and skipped[0]["microbatch_split"] == [4, 4]
+    assert (plan["version"], plan["level"], plan["microbatch_split"]) == (1, "S3", [4, 4])
+    cells = [tuple(c) for c in plan["placement"]]
+    assert cells[1][1] == cells[2][1] and cells[1][0] != cells[2][0]        # one stage, both replicas
+    assert cells[1][1] in (1, 2)                                           # an inner one
+    (event,) = [e for e in events if e["kind"] == "mitigation"]
+    assert (event["level"], event["modelled_step_microbatches"]) == ("S3", [17.0, 15.0])
+    assert len(event["moves"]) == 2 and "consolidate" in event["action"]
+
+
+@pytest.mark.parametrize(("multiple", "split"), [(1, [14, 2]), (4, [12, 4])])
+def test_a_job_that_splits_in_whole_pipelines_gets_s2_splits_in_whole_pipelines(job, multiple, split):
+    # Rank 5 (replica 1) 7x slow: 14 x 1 = 2 x 7 in ones; in fours, 12 + 4 (16 + 0 would
+    # drain replica 1).
+    run_dir, client = job
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS,
+                                                  "microbatch_multiple": multiple}))
+    Planner(client, run_dir).on_verdict(VERDICT, _ranks({5: 0.35}))
+    assert json.loads(client.get(store.PLAN))["microbatch_split"] == split
 
 
 def test_a_finding_beside_the_lead_with_no_figure_of_its_own_needs_a_clearly_slow_gemm(job):

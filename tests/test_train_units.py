@@ -202,6 +202,8 @@ def test_detect_torchrun_and_srun_env():
     (["--dp", "2", "--pp", "4", "--global-microbatches", "8", "--microbatch-split", "4,4"], "not allowed with"),
     (["--dp", "2", "--pp", "4", "--dim", "30", "--heads", "4"], "num_heads=4 must divide dim=30"),
     (["--dp", "2", "--pp", "4", "--resume"], "need --checkpoint"),
+    (["--dp", "2", "--pp", "4", "--global-microbatches", "8", "--microbatch-multiple", "3"],
+     "--microbatch-multiple=3 must be an integer >= 1 that divides every replica's micro-batches (4, 4)"),
     (["--dp", "1", "--pp", "4"], "world size 1 != dp 1 x pp 4"),
     (["--dp", "1", "--pp", "1", "--seq-len", "80", "--max-seq-len", "64"], "exceeds --max-seq-len=64"),
 ])

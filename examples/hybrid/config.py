@@ -116,6 +116,9 @@ class TrainConfig:
     """Pipeline-parallel degree (stages)."""
     microbatch_split: tuple[int, ...]
     """Micro-batches per step of each DP replica; their sum is the global batch."""
+    microbatch_multiple: int = 1
+    """Every replica's micro-batches stay a multiple of this under greyhound's plans
+    (the paper's 1F1B runs them in blocks of the pipeline depth: pass pp)."""
     steps: int = 20
     """Train until this many steps are done (counting steps restored by --resume)."""
     seed: int = 0
@@ -157,6 +160,10 @@ class TrainConfig:
         if len(self.microbatch_split) != self.dp or min(self.microbatch_split) < 1:
             raise ValueError(f"TrainConfig.microbatch_split must have dp={self.dp} entries >= 1, "
                              f"got {self.microbatch_split}")
+        if not isinstance(self.microbatch_multiple, int) or self.microbatch_multiple < 1 or \
+                any(m % self.microbatch_multiple for m in self.microbatch_split):
+            raise ValueError(f"--microbatch-multiple={self.microbatch_multiple} must be an integer >= 1 that "
+                             f"divides every replica's micro-batches {self.microbatch_split}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
         if not self.lr > 0:

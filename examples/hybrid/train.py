@@ -279,7 +279,8 @@ def _run(cfg, model_cfg, data_cfg, penv, layout: ParallelLayout, layers_of, devi
     # Under --greyhound=mitigate the master may move micro-batches between replicas
     # (S2); inert otherwise.
     mitigation = Mitigation.from_env(microbatch_split=cfg.microbatch_split, rank=rank,
-                                     replicas=[layout.pipeline(d) for d in range(cfg.dp)])
+                                     replicas=[layout.pipeline(d) for d in range(cfg.dp)],
+                                     microbatch_multiple=cfg.microbatch_multiple)
 
     metrics_rank = layout.rank_of(dp_rank=0, pp_rank=cfg.pp - 1)
     metrics_file = None

@@ -1,5 +1,7 @@
 """S3 for compute stragglers: gather them into the fewest DP replicas, so that S2 can
-give the replicas left clean more micro-batches.
+give the replicas left clean more micro-batches; or, where no split can (a job whose
+replicas keep multiples of the pipeline depth), consolidate them into the fewest stages
+(placement.py): :func:`choose_straggler_plan` weighs both on one 1F1B model.
 
 A DP replica's pipeline runs at its slowest stage's pace, and S2 balances the replicas
 (microbatch.py). Two stragglers in two replicas slow both, and S2 has nothing to move
@@ -29,6 +31,7 @@ stragglers (203 for 6, 4140 for 8): ``MAX_STRAGGLERS`` bounds it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 
@@ -111,6 +114,88 @@ def gather_stragglers(placement: Sequence[Cell], *, stragglers: Mapping[int, flo
     paces = [max([slow[r] for r in ranks if new[r][0] == d], default=1.0) for d in range(dp)]
     after, split = makespan(paces)
     return _plan(cells, new, before, after, start, after < before), split
+
+
+def pipeline_step(placement: Sequence[Cell], *, stragglers: Mapping[int, float], split: Sequence[int]) -> float:
+    """Modelled step of a DP x PP placement under a micro-batch split, in healthy
+    micro-batch times of one stage: replica d runs its ``m_d`` micro-batches through
+    its stages, 1F1B, in ``(m_d - 1) * its slowest stage + the sum of its stages`` (the
+    slowest stage sets the pace; every stage's time adds once while the pipeline fills
+    and drains); the step waits for the slowest replica. A stage's time is its rank's
+    slowness (1 when healthy). Two stragglers in two stages of one replica cost that
+    replica the second one's fill and drain (the paper's Figure 12 makes the same point:
+    8.5 s with stragglers in two stages, 8 s in one)."""
+    cells = list(placement)
+    dp = 1 + max(d for d, _ in cells)
+    paces: list[list[float]] = [[] for _ in range(dp)]
+    for rank, (d, _) in enumerate(cells):
+        paces[d].append(float(stragglers.get(rank, 1.0)))
+    return max((m - 1) * max(p) + sum(p) for m, p in zip(split, paces, strict=True))
+
+
+def choose_straggler_plan(placement: Sequence[Cell], candidates: Sequence[PlacementPlan], *,
+                          stragglers: Mapping[int, float], microbatches: int,
+                          multiple: int = 1) -> tuple[PlacementPlan, tuple[int, ...]]:
+    """The placement for compute stragglers among the one in force and ``candidates``
+    (gather_stragglers' gathering into the fewest replicas; placement.py's
+    consolidation into the fewest stages), each under S2's split for it (``multiple``
+    as S2 takes it), by :func:`pipeline_step`.
+
+    Which one wins depends on what S2 can do. Where S2 can move micro-batches, gathering
+    wins: a clean replica takes the slow one's work (stragglers 4x slow in two
+    replicas of a DP=2 x PP=4 job with 8 + 8 micro-batches: 35 as they are, 18 gathered
+    with 3 + 13, 35 in one stage). Where it cannot (a job whose replicas must keep
+    multiples of the pipeline depth, 4 + 4), one stage wins: two stragglers in two
+    stages of one replica, 22; in one stage, every replica has one slow stage, 19.
+
+    Returns:
+        (the plan, S2's split under it). The plan's costs are :func:`pipeline_step`'s,
+        before (the placement in force) and after; ``improves`` is False, with the
+        placement in force, when no candidate beats it. Ties go to the placement in
+        force, then to the candidate that moves fewer ranks' stages, then to the first.
+
+    Raises:
+        ValueError: as split_microbatches does (a total that is not a multiple).
+    """
+    start = time.perf_counter()
+    cells = tuple((int(d), int(s)) for d, s in placement)
+
+    def scored(cand: Sequence[Cell]) -> tuple[float, tuple[int, ...]]:
+        dp = 1 + max(d for d, _ in cand)
+        paces = [max([stragglers.get(r, 1.0) for r, (d, _) in enumerate(cand) if d == g], default=1.0)
+                 for g in range(dp)]
+        split = tuple(int(m) for m in split_microbatches(np.array(paces), total=microbatches,
+                                                         multiple=multiple).allocation)
+        return pipeline_step(cand, stragglers=stragglers, split=split), split
+
+    before, best_split = scored(cells)
+    best: PlacementPlan | None = None
+    after = before
+    for plan in candidates:
+        if not plan.improves or tuple(plan.placement) == cells:
+            continue
+        cost, split = scored(plan.placement)
+        if cost < after or (best is not None and cost == after and len(plan.moves) < len(best.moves)):
+            best, after, best_split = plan, cost, split
+    seconds = time.perf_counter() - start
+    if best is None:
+        return PlacementPlan(placement=cells, moves=(), reshuffled=(), cost_before=before, cost_after=before,
+                             improves=False, solve_seconds=seconds, reason=(
+                                 f"S3: neither gathering the stragglers into fewer replicas nor consolidating them "
+                                 f"into fewer stages beats the placement in force (modelled step {before:.4g} "
+                                 f"healthy micro-batch stage times under split {list(best_split)})")), best_split
+    if best.moves:
+        stages = sorted({best.placement[r][1] for r in stragglers})
+        what = (f"consolidate the stragglers into stage{'s' if len(stages) > 1 else ''} "
+                f"{','.join(map(str, stages))}; {len(best.moves)} ranks change stage "
+                f"[{', '.join(f'{m.rank}:{m.from_stage}->{m.to_stage}' for m in best.moves)}]")
+    else:
+        what = (f"gather the stragglers into fewer replicas; {len(best.reshuffled)} ranks change DP rank within "
+                f"their stage {list(best.reshuffled)}")
+    return dataclasses.replace(
+        best, cost_before=before, cost_after=after, improves=True, solve_seconds=best.solve_seconds + seconds,
+        reason=f"S3: {what}; modelled step {before:.4g} -> {after:.4g} healthy micro-batch stage times, "
+               f"split {list(best_split)}"), best_split
 
 
 def _assignments(stage: list[int], dp: int):

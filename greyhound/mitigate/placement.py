@@ -13,10 +13,11 @@ ranks to another stage. Nothing here does I/O. Two moves of the paper come out o
   bandwidth factor in (0, 1] (0.05: 5% of healthy). When the link carries a DP ring
   (heavy), the optimum puts it under the light PP traffic (the paper's Figure 11:
   swapping the DP/PP roles of two nodes), or off the job's traffic altogether.
-* **Consolidation of compute stragglers** (the paper's; the planner no longer takes it:
-  with dp >= 2 one stage holds one straggler per replica, so every replica stays slow and
-  S2 has nowhere to move micro-batches: measured no faster on the local cluster.
-  gather.py puts them into the fewest replicas instead). A stage runs at its slowest member's pace,
+* **Consolidation of compute stragglers** (the paper's; the planner weighs it against
+  gathering them into the fewest replicas, gather.choose_straggler_plan: with dp >= 2 one
+  stage holds one straggler per replica, so every replica stays slow and S2 has nowhere
+  to move micro-batches, which gathering leaves it; it wins where no split can help, a
+  job whose replicas keep multiples of the pipeline depth). A stage runs at its slowest member's pace,
   so the stragglers end up in the fewest stages, ``ceil(#stragglers / dp)`` (with no
   slow link in play: moving a straggler into a stage whose pace is already at least its
   own never costs more), and in the lightest ones (``stage_seconds``). With the default

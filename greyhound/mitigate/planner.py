@@ -32,9 +32,13 @@ Without that, a plan that came late stayed to the end of the job (13,3 on the lo
 cluster: the job 1.26x slower than on its own split).
 
 S3 (a new placement, moved in memory): for a validated link fail-slow, the placement
-that moves the job's heavy traffic off the slow link (placement.py); for compute
-stragglers in several replicas, the exchanges that gather them into the fewest
-(gather.py). Both wait until the loss reaches the move's cost. A link verdict with a
+that moves the job's heavy traffic off the slow link (placement.py); for several compute
+stragglers, the exchanges that gather them into the fewest replicas (gather.py) or the
+stage moves that consolidate them into the fewest stages (placement.py), whichever runs
+faster with S2's split for it on a 1F1B model (gather.choose_straggler_plan): gathering
+where S2 can move micro-batches, one stage where the job's replicas must keep multiples
+of the pipeline depth (the layout's ``microbatch_multiple``, which S2 keeps too). All
+wait until the loss reaches the move's cost. A link verdict with a
 compute straggler clearly slow beside it (a compound fail-slow) gets the move first
 and S2 for the straggler once the move is made, over the replicas it made.
 
@@ -70,7 +74,7 @@ from greyhound.control.agent import polls_in
 from greyhound.control.events import append_event
 from greyhound.control.profile import cpu_wait_slowness
 from greyhound.mitigate import topology
-from greyhound.mitigate.gather import gather_stragglers
+from greyhound.mitigate.gather import choose_straggler_plan, gather_stragglers
 from greyhound.mitigate.microbatch import makespan, split_microbatches
 from greyhound.mitigate.placement import plan_placement
 from greyhound.control.store import MITIGATION_WATCH as WATCH_KEY
@@ -122,6 +126,16 @@ class PlannerConfig:
 S3_MAX_BRANCHES = 20_000
 """Branches the exact placement search may take on the master (well under a second:
 the master's loop waits for it); a bigger instance is refused, with an event."""
+
+
+ASSUMED_BANDWIDTH_BPS = 1e9
+"""Link bandwidth (B/s) a stage move's cost is estimated with before any validation
+measured the job's links (each verdict's P2P tests do; a move then measures itself)."""
+
+
+def _multiple(layout: dict) -> int:
+    """What every replica's micro-batch count must stay a multiple of (the job says)."""
+    return int(layout.get("microbatch_multiple") or 1)
 
 
 def replica_seconds(replicas: Sequence[Sequence[int]], slowness: dict[int, float]) -> np.ndarray:
@@ -194,6 +208,8 @@ class Planner:
         ``version`` once it is published."""
         self.relaid_s: float | None = None
         """The pause the job's last S3 move took (measured on the job)."""
+        self.link_bandwidth_Bps = ASSUMED_BANDWIDTH_BPS
+        """The healthy bandwidth of the job's links, as the last validation measured it."""
         self._polls_applied = 0
         self._recovered_polls = 0
         self.peers: dict[int, dict] = {}
@@ -260,6 +276,8 @@ class Planner:
         clearly slow beside it once the move is made. What neither can help: an S4
         candidate."""
         found = _compute_findings(verdict, ranks)
+        if verdict.get("link_bandwidth_Bps"):
+            self.link_bandwidth_Bps = float(verdict["link_bandwidth_Bps"])
         layout = self._layout()
         validated = bool(verdict.get("validated"))
         if validated and verdict.get("kind") == "link" and layout is not None:
@@ -322,10 +340,17 @@ class Planner:
                     pass
             self.work[rank] = work
         self._peers_before(layout, ranks)
-        self._publish(layout, ranks, why=f"compute straggler(s) {_ranks_text(self.stragglers)}")
-        if len(self.stragglers) > 1:     # S3: gather them into fewer replicas, the next rung
-            self._s3_gather(layout, ranks, why=f"compute stragglers {_ranks_text(self.stragglers)} "
-                                               "in several replicas")
+        current = self._current_split(layout)
+        if len(self.stragglers) > 1 and list(self._best_split(layout, self.stragglers)[0].allocation) == current:
+            # Stragglers in every replica, or a job whose replicas keep multiples of the
+            # pipeline's depth: no split helps, a placement may.
+            append_event(self.run_dir, "mitigation_skipped", level="S2", microbatch_split=current,
+                         why=f"stragglers {_ranks_text(self.stragglers)}: no split of the {sum(current)} "
+                             f"micro-batches is faster than {current}")
+        else:
+            self._publish(layout, ranks, why=f"compute straggler(s) {_ranks_text(self.stragglers)}")
+        if len(self.stragglers) > 1:     # S3: gathered into fewer replicas or stages, the next rung
+            self._s3_stragglers(layout, ranks, why=f"compute stragglers {_ranks_text(self.stragglers)}")
 
     def poll(self, ranks: dict) -> None:
         """Every poll: the job's start-up time; S4's ski-rental; while an S2 plan is in
@@ -416,19 +441,31 @@ class Planner:
             return
         self._s3_propose(plan, model, ranks, why=why)
 
-    def _s3_gather(self, layout: dict, ranks: dict, *, why: str) -> None:
-        """The DP-rank exchanges that gather the stragglers into the fewest replicas, and
-        S2's split for them (gather.py); the candidate waits for its cost in loss."""
+    def _s3_stragglers(self, layout: dict, ranks: dict, *, why: str) -> None:
+        """S3 for compute stragglers: the DP-rank exchanges that gather them into the
+        fewest replicas (gather.py), or the stage moves that consolidate them into the
+        fewest stages (placement.py), each with S2's split for it, whichever is faster
+        than the placement in force under its split (gather.choose_straggler_plan); the
+        candidate waits for its cost in loss."""
         if self.s3 is not None:
             return
+        placement = topology.placement_now(layout, self._applied())
+        total, multiple = sum(layout["microbatch_split"]), _multiple(layout)
+        replicas = topology.pipelines(placement)
         try:
-            plan, split = gather_stragglers(topology.placement_now(layout, self._applied()),
-                                            stragglers=self.stragglers,
-                                            microbatches=sum(layout["microbatch_split"]))
-        except ValueError as exc:
+            gathered, _ = gather_stragglers(placement, stragglers=self.stragglers, microbatches=total,
+                                            multiple=multiple)
+            model = topology.step_model(store.read_comm_stats(self.client, range(len(placement))), ranks,
+                                        placement, bandwidth=self.link_bandwidth_Bps)
+            consolidated = plan_placement(dp=len(replicas), pp=len(replicas[0]), placement=placement,
+                                          node_of_rank=[str(ranks[r]["node"]) for r in range(len(placement))],
+                                          model=model, stragglers=self.stragglers, max_branches=S3_MAX_BRANCHES)
+            plan, split = choose_straggler_plan(placement, [gathered, consolidated], stragglers=self.stragglers,
+                                                microbatches=total, multiple=multiple)
+        except (KeyError, ValueError) as exc:
             append_event(self.run_dir, "mitigation_skipped", level="S3", why=f"no placement to plan: {exc}")
             return
-        self._s3_propose(plan, None, ranks, why=why, split=list(split))
+        self._s3_propose(plan, model if plan.moves else None, ranks, why=why, split=list(split))
 
     def _s3_propose(self, plan, model, ranks: dict, *, why: str, **extra) -> None:
         """A plan that beats the current placement becomes the S3 candidate, with the
@@ -487,7 +524,7 @@ class Planner:
         append_event(self.run_dir, "mitigation", level="S3", version=self.version, why=s3["why"],
                      action=plan.reason, placement=[list(cell) for cell in plan.placement],
                      moves=[[m.rank, m.from_stage, m.to_stage] for m in plan.moves],
-                     **({"microbatch_split": split, "previous": previous, "modelled_makespan_microbatches": modelled}
+                     **({"microbatch_split": split, "previous": previous, "modelled_step_microbatches": modelled}
                         if "split" in s3 else {"modelled_step_s": modelled}),
                      loss_s=loss_s, cost_s=s3["cost_s"], cost_is=s3["cost_is"],
                      solve_seconds=round(plan.solve_seconds, 6))
@@ -562,7 +599,7 @@ class Planner:
         """S2's exact split for these stragglers under the placement in force, and the
         replicas' seconds per micro-batch it was solved for."""
         times = replica_seconds(self._replicas(layout, self._applied()), stragglers)
-        return split_microbatches(times, total=sum(layout["microbatch_split"])), times
+        return split_microbatches(times, total=sum(layout["microbatch_split"]), multiple=_multiple(layout)), times
 
     def _publish(self, layout: dict, ranks: dict, *, why: str) -> None:
         default = list(layout["microbatch_split"])

@@ -91,10 +91,15 @@ class Mitigation:
     """One per training process; see the module docstring."""
 
     def __init__(self, *, microbatch_split: Sequence[int], replicas: Sequence[Sequence[int]], rank: int,
-                 active: bool, run_dir: str | os.PathLike | None = None) -> None:
+                 active: bool, run_dir: str | os.PathLike | None = None, microbatch_multiple: int = 1) -> None:
         split = tuple(int(m) for m in microbatch_split)
         if len(split) != len(replicas) or min(split, default=0) < 1:
             raise ValueError(f"microbatch_split {split} needs one entry >= 1 per replica ({len(replicas)})")
+        if not (isinstance(microbatch_multiple, int) and microbatch_multiple >= 1) or \
+                any(m % microbatch_multiple for m in split):
+            raise ValueError(f"microbatch_multiple {microbatch_multiple!r} must be an integer >= 1 that divides "
+                             f"every entry of microbatch_split {split}")
+        self.multiple = microbatch_multiple
         self.replicas = [list(map(int, r)) for r in replicas]
         self.default = Plan(version=0, microbatch_split=split, placement=placement_of(self.replicas))
         self.rank = rank
@@ -107,13 +112,15 @@ class Mitigation:
 
     @classmethod
     def from_env(cls, *, microbatch_split: Sequence[int], replicas: Sequence[Sequence[int]],
-                 rank: int) -> Mitigation:
+                 rank: int, microbatch_multiple: int = 1) -> Mitigation:
         """Active under ``--greyhound=mitigate``, inert otherwise (the same on every rank:
-        the job's environment decides)."""
+        the job's environment decides). ``microbatch_multiple``: every replica's
+        micro-batch count stays a multiple of it (a schedule that runs micro-batches in
+        blocks of the pipeline's depth, as the paper's 1F1B does, passes ``pp``)."""
         run_dir = os.environ.get("GREYHOUND_RUN_DIR")
         active = os.environ.get("GREYHOUND_MODE") == "mitigate" and bool(run_dir) and len(replicas) > 1
         return cls(microbatch_split=microbatch_split, replicas=replicas, rank=rank, active=active,
-                   run_dir=run_dir)
+                   run_dir=run_dir, microbatch_multiple=microbatch_multiple)
 
     def step(self, step: int) -> Plan:
         """The plan for ``step``: collective on the default process group when active."""
@@ -196,7 +203,7 @@ class Mitigation:
             self._next_try = step + ADDRESS_RETRY_STEPS
             return None
         self._tell(LAYOUT_KEY, {"microbatch_split": list(self.default.microbatch_split),
-                                "replicas": self.replicas})
+                                "replicas": self.replicas, "microbatch_multiple": self.multiple})
         return self._client
 
     def _check(self, plan: dict) -> Plan:
@@ -208,9 +215,11 @@ class Mitigation:
         if not isinstance(plan.get("checkpoint", False), bool):
             raise ValueError(f"plan {version}: checkpoint {plan.get('checkpoint')!r} is not true or false")
         if (not isinstance(split, list) or len(split) != len(self.replicas)
-                or not all(isinstance(m, int) and m >= 1 for m in split) or sum(split) != total):
+                or not all(isinstance(m, int) and m >= 1 and m % self.multiple == 0 for m in split)
+                or sum(split) != total):
             raise ValueError(f"plan {version}: microbatch_split {split!r} is not {len(self.replicas)} "
-                             f"integers >= 1 summing to {total}")
+                             f"integers >= 1 summing to {total}" +
+                             (f", each a multiple of {self.multiple}" if self.multiple > 1 else ""))
         placement = self.plan.placement if plan.get("placement") is None else \
             self._check_placement(version, plan["placement"])
         return Plan(version=version, microbatch_split=tuple(split), checkpoint=plan.get("checkpoint", False),
