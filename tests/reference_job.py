@@ -44,7 +44,12 @@ tracker's 16th healthy iteration, and nothing was detected)."""
 
 
 def wait_tracking(job_id: str, iterations: int = READY_ITERATIONS, timeout_s: float = 240) -> dict:
-    """Waits until every rank's tracker reports iterations; the status then."""
+    """Waits until every rank's tracker reports iterations and its agent has a baseline
+    of the rank's own work (``compute_base_s``: seconds of polls before the recent
+    ones); the status then. A plane that started late (its first starts crashed in
+    MPI_Init, 15 s) reads the ranks' iterations since the job's start at once, but
+    without seconds of polls behind it, profiling had no rank's rise to go by and named
+    one straggler of two (CI rehearsal, stop 28)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -52,7 +57,8 @@ def wait_tracking(job_id: str, iterations: int = READY_ITERATIONS, timeout_s: fl
         except AssertionError:
             st = {}
         ranks = st.get("ranks") or {}
-        if len(ranks) == 8 and all(int(r.get("iterations") or 0) >= iterations for r in ranks.values()):
+        if len(ranks) == 8 and all(int(r.get("iterations") or 0) >= iterations
+                                   and r.get("compute_base_s") not in (None, "") for r in ranks.values()):
             return st
         time.sleep(1)
     raise AssertionError(f"job {job_id}: trackers did not report {iterations} iterations in {timeout_s}s: {st}")

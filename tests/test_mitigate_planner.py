@@ -374,6 +374,47 @@ def test_a_link_under_the_dp_rings_gets_a_placement_that_puts_it_under_pipeline_
     assert json.loads(client.get(store.PLAN))["microbatch_split"] == [12, 4]
 
 
+@pytest.mark.parametrize(("step_s", "undone"), [(1.4, True), (0.3, False)])
+def test_a_move_that_makes_the_job_slower_is_moved_back_and_s3_rests_until_the_slowdown_ends(job, step_s, undone):
+    # Right before the move the ranks took 0.5 s a step (current_s); after it, the job's
+    # own steps (training rank 0's progress) take step_s over the judging window.
+    run_dir, client = job
+    nodes = ["n1", "n1", "n2", "n2", "n3", "n3", "n4", "n4"]
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    _board(client, nodes)
+    ranks = {r: {**state, "node": nodes[r]} for r, state in _ranks({}).items()}
+    planner = Planner(client, run_dir, config=PlannerConfig(judge_s=3.0))
+    planner.on_verdict(LINK_VERDICT, ranks)
+    planner.poll(ranks)
+    moved = json.loads(client.get(store.PLAN))
+    client.set(store.TRAINING_APPLIED, json.dumps({"version": 1, "step": 90, "microbatch_split": [8, 8],
+                                                   "placement": moved["placement"]}))
+    client.set(store.TRAINING_RELAID, json.dumps({"version": 1, "step": 90, "pause_s": 0.4, "bytes": 123}))
+    planner.poll(ranks)                                  # relaid: judging from the next poll
+    for k in range(5):
+        client.set(store.TRAINING_PROGRESS, json.dumps({"step": 91 + 10 * k, "time": 1000.0 + 10 * k * step_s}))
+        planner.poll(ranks)
+    kinds = [e["kind"] for e in read_events(run_dir)]
+    if not undone:
+        assert kinds == ["mitigation", "relaid"] and json.loads(client.get(store.PLAN))["version"] == 1
+        return
+    back = json.loads(client.get(store.PLAN))
+    assert (back["version"], back["level"], back["microbatch_split"]) == (2, "S3", [8, 8])
+    assert back["placement"] == [[r // 4, r % 4] for r in range(8)]          # the job's own placement
+    undo = read_events(run_dir)[-1]
+    assert (undo["kind"], undo["undoes"], undo["before_step_s"], undo["after_step_s"]) == \
+        ("mitigation_undone", 1, 0.5, 1.4)
+    # The way back is applied and logged; S3 rests while the job is slow, then serves again.
+    client.set(store.TRAINING_APPLIED, json.dumps({"version": 2, "step": 140, "microbatch_split": [8, 8]}))
+    client.set(store.TRAINING_RELAID, json.dumps({"version": 2, "step": 140, "pause_s": 0.5, "bytes": 123}))
+    planner.poll(ranks)
+    planner.on_verdict(LINK_VERDICT, ranks)
+    assert planner.s3 is None and [e["kind"] for e in read_events(run_dir)][-1] == "relaid"
+    planner.poll({r: {**s, "slow_since": None} for r, s in ranks.items()})
+    planner.on_verdict(LINK_VERDICT, ranks)
+    assert planner.s3 is not None
+
+
 def test_a_compute_straggler_clearly_slow_beside_a_link_gets_s2_once_the_links_move_is_made(job):
     # The end-to-end benchmark's compound phase: a link named at n2 and, beside it,
     # rank 6's GEMM 10x with its own work 3x. S2 waits for S3's move: made before it,
@@ -507,6 +548,20 @@ def test_a_finding_beside_the_lead_with_no_figure_of_its_own_needs_a_clearly_slo
     planner.on_verdict({**verdict, "also": [{"kind": "compute", "ranks": [0], "strength": 4.0}]},
                        _ranks({5: 0.15, 0: None}))
     assert planner.stragglers == {5: 3.0, 0: 4.0}
+
+
+def test_a_finding_masked_by_a_slower_straggler_upstream_is_taken_by_its_clearly_slow_gemm(job):
+    # The consolidation cluster test: ranks 2 and 4 in stages 1 and 2 of one replica,
+    # both under CPU quotas; rank 4 idled in its calls waiting for rank 2 (its own work
+    # and CPU wait as before) while its GEMM read 9.7x. A 1.33x GEMM is not enough.
+    run_dir, client = job
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    for gemm, taken in ((9.7, {1: 3.0, 2: 9.7}), (1.33, {1: 3.0})):
+        verdict = {**VERDICT, "ranks": [1], "severity": 19.3, "also": [{"kind": "compute", "ranks": [2],
+                                                                         "strength": gemm}]}
+        planner = Planner(client, run_dir)
+        planner.on_verdict(verdict, _ranks({1: 0.15}))
+        assert planner.stragglers == taken, gemm
 
 
 def test_a_straggler_whose_work_fell_is_taken_at_how_long_it_waits_for_a_cpu(job):

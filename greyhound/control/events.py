@@ -29,7 +29,7 @@ KINDS = (
     "control_plane_started", "control_plane_stopped", "control_plane_failed",
     "detected", "deepened", "recovered", "suspects", "back_to_tracking", "reexamining", "paused", "resumed",
     "validated", "verdict",
-    "mitigation", "mitigation_ended", "mitigation_skipped", "relaid", "requeued",
+    "mitigation", "mitigation_ended", "mitigation_skipped", "mitigation_undone", "relaid", "requeued",
 )
 """What an event may be; ``kind`` is always one of these."""
 

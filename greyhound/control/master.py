@@ -35,7 +35,7 @@ from greyhound.control.agent import polls_in
 from greyhound.control.events import append_event
 from greyhound.control.links import job_links, link_passes
 from greyhound.control.p2p import link_ends
-from greyhound.control.profile import Suspect, find_suspects
+from greyhound.control.profile import Suspect, find_suspects, job_pace_s
 from greyhound.control.validate import reference_ranks
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ class Master:
         self._set("profiling")
 
     def _profile(self, ep: _Episode, ranks: dict) -> None:
-        pace_s = _job_pace_s(ranks)
+        pace_s = job_pace_s(ranks)
         if ep.pace_s is None:
             ep.pace_s = pace_s
         elif pace_s is not None and ep.pace_s is not None and pace_s > self.config.deepened_ratio * ep.pace_s \
@@ -400,12 +400,6 @@ def _findings(suspects: list[Suspect], results: list[dict], slow_links: list[dic
                     "why": f"P2P: {top['link']} at {top['ratio']:.0%} of the median bandwidth",
                     "measured": alone, "strength": round(1 / max(top["ratio"], 1e-6), 3)})
     return out
-
-
-def _job_pace_s(ranks: dict) -> float | None:
-    """The job's iteration time now: the median rank's recent iteration time."""
-    current = [float(s["current_s"]) for s in ranks.values() if s.get("current_s") not in (None, "")]
-    return float(np.median(current)) if current else None
 
 
 def _compute_rise(ranks: dict) -> dict[int, float]:

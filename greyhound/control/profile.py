@@ -129,6 +129,13 @@ def _risen(compute_rise: dict[int, float], rank_nodes: dict[int, str]) -> list[S
     return out
 
 
+def job_pace_s(ranks: dict) -> float | None:
+    """The job's iteration time now: the median rank's recent iteration time (the
+    agents' ``current_s``); None while no rank has one."""
+    current = [float(s["current_s"]) for s in ranks.values() if s.get("current_s") not in (None, "")]
+    return float(np.median(current)) if current else None
+
+
 def cpu_wait_slowness(now: float, before: float) -> float:
     """How much slower a rank runs that waits for a CPU ``now`` of its time, against
     ``before``: the share of its time it had one then over now."""

@@ -19,6 +19,7 @@ has one writer: the module named beside it; everyone else only reads it.
 | ``training:applied`` | string | training rank 0 | JSON ``{"version", "step", "microbatch_split"}`` and ``"placement"`` when it is not the job's own: the plan in force and the step it started at |
 | ``training:checkpointed`` | string | training rank 0 | JSON ``{"version", "step"}`` (``step`` null and ``"why"`` when none could be saved): the checkpoint S4 asked for |
 | ``training:relaid`` | string | training rank 0 | JSON ``{"version", "step", "pause_s", "bytes"}``: the last placement applied, and what its pause cost |
+| ``training:progress`` | string | training rank 0 | JSON ``{"step", "time"}``: the step it is at, each step (the planner judges an S3 move by it) |
 """  # noqa: E501  (a Markdown table: its rows cannot wrap)
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ TRAINING_LAYOUT = "training:layout"
 TRAINING_APPLIED = "training:applied"
 TRAINING_CHECKPOINTED = "training:checkpointed"
 TRAINING_RELAID = "training:relaid"
+TRAINING_PROGRESS = "training:progress"
 
 
 def rank_key(rank: int) -> str:

@@ -43,12 +43,14 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from collections.abc import Sequence
 
 from greyhound.control.store import PLAN as PLAN_KEY
 from greyhound.control.store import TRAINING_APPLIED as APPLIED_KEY
 from greyhound.control.store import TRAINING_CHECKPOINTED as CHECKPOINTED_KEY
 from greyhound.control.store import TRAINING_LAYOUT as LAYOUT_KEY
+from greyhound.control.store import TRAINING_PROGRESS as PROGRESS_KEY
 from greyhound.control.store import TRAINING_RELAID as RELAID_KEY
 
 log = logging.getLogger(__name__)
@@ -177,7 +179,12 @@ class Mitigation:
             client = self._connect(step)
             if client is None:
                 return self.plan
-            raw = client.get(PLAN_KEY)
+            # The step it is at goes with the read (one round trip): the planner judges
+            # a move by the job's own pace.
+            pipe = client.pipeline(transaction=False)
+            pipe.get(PLAN_KEY)
+            pipe.set(PROGRESS_KEY, json.dumps({"step": step, "time": time.time()}))
+            raw, _ = pipe.execute()
             if raw is None:
                 return self.plan
             return self._check(json.loads(raw))
