@@ -98,7 +98,7 @@ class InjectedRun:
 
 def run_injected(out: Path, mode: str) -> InjectedRun:
     """The reference job under ``--greyhound=<mode>`` with a CPU quota on rank 5 (severity
-    0.75) for ``INJECTED_S`` once its trackers have their healthy reference and no
+    0.5) for ``INJECTED_S`` once its trackers have their healthy reference and no
     episode is open; after the job's end."""
     from greyhound.control.events import read_events
 
@@ -106,7 +106,7 @@ def run_injected(out: Path, mode: str) -> InjectedRun:
     wait_tracking(job.job_id)
     wait_no_episode(RUN_DIR_BASE / job.job_id)
     truth = out / "truth.jsonl"
-    subprocess.run([GREYHOUND, "inject", "compute", "--job", job.job_id, "--rank", "5", "--severity", "0.75",
+    subprocess.run([GREYHOUND, "inject", "compute", "--job", job.job_id, "--rank", "5", "--severity", "0.5",
                     "--duration", str(INJECTED_S), "--truth", str(truth)], check=True, capture_output=True,
                    timeout=120)
     assert job.wait(900) == "COMPLETED", job.text()

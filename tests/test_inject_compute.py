@@ -23,6 +23,7 @@ from click.testing import CliRunner
 from greyhound.cli import main
 from greyhound.errors import InputError
 from greyhound.inject import runner, targets, truth
+from greyhound.inject.compute import PERIOD_US
 from greyhound.inject.schedule import Planned
 from greyhound.inject.spec import ComputeSpec
 from greyhound.inject.state import InjectEnv
@@ -136,8 +137,8 @@ def test_quota_takes_the_cpu_and_gives_it_back(env, busy, home_cgroup, tmp_path)
     try:
         wait_until(lambda: cpu_cgroup(busy.pid).startswith(f"/{env.cgroup_parent}/"))
         cgroup = CPU_ROOT / cpu_cgroup(busy.pid).lstrip("/")
-        assert int((cgroup / "cpu.cfs_quota_us").read_text()) == 10_000
-        assert int((cgroup / "cpu.cfs_period_us").read_text()) == 100_000
+        assert int((cgroup / "cpu.cfs_quota_us").read_text()) == 0.1 * PERIOD_US
+        assert int((cgroup / "cpu.cfs_period_us").read_text()) == PERIOD_US
         during = cpu_rate(busy.pid)
         throttled = int(dict(line.split() for line in (cgroup / "cpu.stat").read_text().splitlines())["nr_throttled"])
     finally:
@@ -374,7 +375,7 @@ def test_default_quota_is_a_fraction_of_what_the_target_was_using(env, busy, hom
     finally:
         thread.join(15)
         cap.write_text("-1")
-    # Measured <= 0.4 CPU (the cap), so half of it is at most 0.2 CPU: 20 ms per 100 ms.
-    assert 1000 <= quota <= 20_500, quota
+    # Measured <= 0.4 CPU (the cap), so half of it is at most 0.2 CPU: 4 ms per 20 ms.
+    assert 1000 <= quota <= 4_100, quota
     record = result["outcomes"][0].record
-    assert record["quota_cpus"] == pytest.approx(quota / 100_000)
+    assert record["quota_cpus"] == pytest.approx(quota / PERIOD_US)

@@ -29,7 +29,12 @@ from greyhound.inject.state import InjectEnv
 
 log = logging.getLogger(__name__)
 
-PERIOD_US = 100_000
+PERIOD_US = 20_000
+"""The quota's period. A rank that spends its quota early in a period stops until the
+next one, and every message its pipeline peers wait for from it waits with it: at
+100 ms (the kernel's default) a 0.11-CPU quota made the reference job's steps 4-8 s
+(healthy 0.35 s; a validated slowdown of 10-20x, on this VM, 2026-12-06), 1.3-4 s at
+20 ms. A shorter period is closer to a device that is uniformly slower."""
 _RMDIR_WAIT_S = 2.0
 
 
