@@ -99,6 +99,8 @@ def test_two_stragglers_in_two_stages_of_a_job_that_cannot_re_split_are_consolid
         assert e["after_step_s"] is None or e["after_step_s"] > 1.1 * e["before_step_s"], (e, seen)
         assert e["placement"] == [[r % 2, r // 2] for r in range(8)], (e, seen)       # the job's own
     assert len(relaid) == 1 + len(undone), seen
+    # The stragglers' plan that ends is the move's (it carried the split): S3, not S2.
+    assert all(e["level"] == "S3" for e in events if e["kind"] == "mitigation_ended"), seen
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps)), seen
     healthy = submit(tmp_path / "healthy", steps, *extra, greyhound="off")

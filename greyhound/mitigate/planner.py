@@ -407,9 +407,11 @@ class Planner:
             layout = self._layout()
             if layout is None:
                 return
+            raw = self.client.get(PLAN_KEY)
+            ending = (json.loads(raw) if raw else {}).get("level") or "S2"    # S3 when a move carried the split
             self.version += 1
             self._write_plan(layout["microbatch_split"], level="S1", why="the straggler(s) recovered")
-            append_event(self.run_dir, "mitigation_ended", level="S2", version=self.version,
+            append_event(self.run_dir, "mitigation_ended", level=ending, version=self.version,
                          microbatch_split=layout["microbatch_split"],
                          work={str(r): {k: round(v, 4) for k, v in w.items()} for r, w in watched.items()})
             self.stragglers.clear()
