@@ -115,9 +115,8 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
                                            stopped=lambda: stop.requested)
                 if master is not None:
                     master.complete_validation(outcome)
-            poll_between(agent, client, master, until=t0 + config.agent.poll_s,
-                         every_s=config.agent.watch_poll_s, stopped=lambda: stop.requested)
-            time.sleep(max(0.0, t0 + config.agent.poll_s - time.monotonic()))
+            until_next_poll(agent, client, master, until=t0 + config.agent.poll_s,
+                            every_s=config.agent.watch_poll_s, stopped=lambda: stop.requested)
     except Exception as exc:
         agent.resume()
         if not stop.requested:      # at the job's end Redis or a peer may go first: not a failure
@@ -139,10 +138,10 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
     return 0
 
 
-def poll_between(agent: NodeAgent, client, master: Master | None, *, until: float, every_s: float,
-                 stopped: Callable[[], bool]) -> None:
-    """The polls in between, until the next regular one at ``until`` (monotonic): while
-    this node's detectors weigh a candidate change, poll, publish and (on the master's
+def until_next_poll(agent: NodeAgent, client, master: Master | None, *, until: float, every_s: float,
+                    stopped: Callable[[], bool]) -> None:
+    """Waits for the next regular poll at ``until`` (monotonic), polling in between while
+    this node's detectors weigh a candidate change: poll, publish and (on the master's
     node) look for a slow job every ``every_s``. A healthy job's polls stay ``poll_s``
     apart: the plane's cost is per poll."""
     while not stopped() and agent.watching() and time.monotonic() + every_s < until:
@@ -151,6 +150,7 @@ def poll_between(agent: NodeAgent, client, master: Master | None, *, until: floa
         agent.publish(client, between=True)
         if master is not None and not stopped():
             master.watch()
+    time.sleep(max(0.0, until - time.monotonic()))
 
 
 def _planner(client, run_dir: Path, poll_s: float):
