@@ -71,7 +71,7 @@ def test_two_stragglers_in_two_stages_of_a_job_that_cannot_re_split_are_consolid
     wait_no_episode(RUN_DIR_BASE / job.job_id)
     schedule = tmp_path / "both.yaml"
     schedule.write_text(yaml.safe_dump({"injections": [
-        {"kind": "compute", "job": job.job_id, "rank": rank, "severity": 0.5, "duration": 45} for rank in (2, 4)]}))
+        {"kind": "compute", "job": job.job_id, "rank": rank, "severity": 0.75, "duration": 45} for rank in (2, 4)]}))
     inject = subprocess.run([GREYHOUND, "inject", "run", str(schedule), "--truth", str(tmp_path / "truth")],
                             capture_output=True, text=True, timeout=120)
     assert inject.returncode == 0, inject.stderr
