@@ -122,7 +122,7 @@ def test_two_compute_stragglers_in_two_replicas_are_gathered_into_one_and_s2_unl
     # settled by then, named only the first straggler (CI, stop 23).
     schedule = tmp_path / "both.yaml"
     schedule.write_text(yaml.safe_dump({"injections": [
-        {"kind": "compute", "job": job.job_id, "rank": rank, "severity": 0.5, "duration": 45} for rank in (2, 5)]}))
+        {"kind": "compute", "job": job.job_id, "rank": rank, "severity": 0.75, "duration": 45} for rank in (2, 5)]}))
     inject = subprocess.run([GREYHOUND, "inject", "run", str(schedule), "--truth", str(tmp_path / "truth")],
                             capture_output=True, text=True, timeout=120)
     assert inject.returncode == 0, inject.stderr

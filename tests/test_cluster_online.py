@@ -194,7 +194,7 @@ def test_a_narrowed_link_on_one_node_is_named_on_that_node_and_s3_moves_the_ring
     # Every step's loss was logged once, by whichever rank computed it after the move,
     # and the move changed nothing that was learned: the losses are those of the run
     # left alone (the job is the same whatever its rank order, seed and step count: a
-    # step's loss depends on neither; the unmitigated run's first 140 steps).
+    # step's loss depends on neither; the unmitigated run's first 150 steps).
     assert [r["step"] for r in rows] == list(range(150)), seen
     got, want = [r["loss"] for r in rows], losses(unmitigated.out)
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, seen
