@@ -20,9 +20,9 @@ from greyhound.mitigate.planner import (
     PlannerConfig,
     healthy_work_s,
     recovered,
-    replica_seconds,
     slow_loss,
 )
+from greyhound.mitigate.microbatch import replica_seconds
 from greyhound.mitigate.training import Mitigation
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,

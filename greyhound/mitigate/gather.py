@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from greyhound.mitigate.microbatch import split_microbatches
+from greyhound.mitigate.microbatch import replica_seconds, split_microbatches
 from greyhound.mitigate.placement import Cell, PlacementPlan, layout
 
 MAX_STRAGGLERS = 8
@@ -161,11 +161,9 @@ def choose_straggler_plan(placement: Sequence[Cell], candidates: Sequence[Placem
     cells = tuple((int(d), int(s)) for d, s in placement)
 
     def scored(cand: Sequence[Cell]) -> tuple[float, tuple[int, ...]]:
-        dp = 1 + max(d for d, _ in cand)
-        paces = [max([stragglers.get(r, 1.0) for r, (d, _) in enumerate(cand) if d == g], default=1.0)
-                 for g in range(dp)]
-        split = tuple(int(m) for m in split_microbatches(np.array(paces), total=microbatches,
-                                                         multiple=multiple).allocation)
+        dp, pp = 1 + max(d for d, _ in cand), 1 + max(s for _, s in cand)
+        paces = replica_seconds(layout(cand, dp=dp, pp=pp).pipelines, stragglers)
+        split = tuple(int(m) for m in split_microbatches(paces, total=microbatches, multiple=multiple).allocation)
         return pipeline_step(cand, stragglers=stragglers, split=split), split
 
     before, best_split = scored(cells)

@@ -62,6 +62,7 @@ import dataclasses
 import heapq
 import operator
 import time
+from collections.abc import Mapping, Sequence
 from typing import SupportsIndex
 
 import numpy as np
@@ -140,6 +141,12 @@ def even_split(num_groups: int, *, total: int, multiple: int = 1) -> tuple[int, 
     if multiple < 1 or total % multiple:
         raise ValueError(f"total {total} is not a multiple of {multiple}")
     return tuple(int(u) * multiple for u in _even_units(num_groups, total // multiple))
+
+
+def replica_seconds(replicas: Sequence[Sequence[int]], slowness: Mapping[int, float]) -> np.ndarray:
+    """(dp,) relative seconds per micro-batch of each DP replica: its slowest member's
+    slowness (1.0 for a healthy rank)."""
+    return np.array([max((slowness.get(r, 1.0) for r in members), default=1.0) for members in replicas])
 
 
 def makespan(allocation: ArrayLike, seconds_per_microbatch: ArrayLike) -> float:

@@ -65,7 +65,6 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +75,7 @@ from greyhound.control.events import append_event
 from greyhound.control.profile import cpu_wait_slowness, job_pace_s
 from greyhound.mitigate import topology
 from greyhound.mitigate.gather import choose_straggler_plan, gather_stragglers
-from greyhound.mitigate.microbatch import makespan, split_microbatches
+from greyhound.mitigate.microbatch import makespan, replica_seconds, split_microbatches
 from greyhound.mitigate.placement import plan_placement
 from greyhound.control.store import MITIGATION_WATCH as WATCH_KEY
 from greyhound.control.store import PLAN as PLAN_KEY
@@ -150,12 +149,6 @@ measured the job's links (each verdict's P2P tests do; a move then measures itse
 def _multiple(layout: dict) -> int:
     """What every replica's micro-batch count must stay a multiple of (the job says)."""
     return int(layout.get("microbatch_multiple") or 1)
-
-
-def replica_seconds(replicas: Sequence[Sequence[int]], slowness: dict[int, float]) -> np.ndarray:
-    """(dp,) relative seconds per micro-batch of each DP replica: its slowest member's
-    slowness (1.0 for a healthy rank)."""
-    return np.array([max((slowness.get(r, 1.0) for r in members), default=1.0) for members in replicas])
 
 
 def restart_cost_s(*, startup_s: float, hold_s: float, step_s: float) -> float:
