@@ -23,6 +23,26 @@ def _median_step_s(rows: list[dict], start: float, end: float) -> float:
     return statistics.median(r["step_time"] for r in rows if start < r["time"] - r["step_time"] and r["time"] <= end)
 
 
+def _throttle_together(job_id: str, ranks: tuple[int, ...], tmp_path):
+    """CPU quotas (severity 0.75, 45 s) on ``ranks`` of the job from one schedule, so that
+    they start at one time zero: two `inject compute` runs started side by side began
+    up to ~5 s apart on 2 busy cores, and profiling, settled by then, named only the
+    first straggler (CI, stop 23). Returns a reader of the injections' truth records."""
+    schedule, truth = tmp_path / "both.yaml", tmp_path / "truth"
+    schedule.write_text(yaml.safe_dump({"injections": [
+        {"kind": "compute", "job": job_id, "rank": rank, "severity": 0.75, "duration": 45} for rank in ranks]}))
+    inject = subprocess.run([GREYHOUND, "inject", "run", str(schedule), "--truth", str(truth)],
+                            capture_output=True, text=True, timeout=120)
+    assert inject.returncode == 0, inject.stderr
+    return lambda: [json.loads(line) for line in truth.read_text().splitlines()]
+
+
+def _named(verdict: dict) -> set[int]:
+    """The ranks a verdict names as compute stragglers: its lead's and those beside it."""
+    return set(verdict["ranks"]) | {r for also in verdict.get("also", []) if also["kind"] == "compute"
+                                    for r in also["ranks"]}
+
+
 def test_a_compute_fail_slow_is_rebalanced_by_s2_and_the_job_learns_exactly_the_same(unmitigated, tmp_path):
     run = run_injected(tmp_path, "mitigate")
     mitigated, events, truth = run.rows, run.events, run.truth
@@ -69,20 +89,13 @@ def test_two_stragglers_in_two_stages_of_a_job_that_cannot_re_split_are_consolid
     job = submit(out, steps, *extra, greyhound="mitigate")
     wait_tracking(job.job_id)
     wait_no_episode(RUN_DIR_BASE / job.job_id)
-    schedule = tmp_path / "both.yaml"
-    schedule.write_text(yaml.safe_dump({"injections": [
-        {"kind": "compute", "job": job.job_id, "rank": rank, "severity": 0.75, "duration": 45} for rank in (2, 4)]}))
-    inject = subprocess.run([GREYHOUND, "inject", "run", str(schedule), "--truth", str(tmp_path / "truth")],
-                            capture_output=True, text=True, timeout=120)
-    assert inject.returncode == 0, inject.stderr
+    records = _throttle_together(job.job_id, (2, 4), tmp_path)
     assert job.wait(900) == "COMPLETED", job.text()
     events = read_events(RUN_DIR_BASE / job.job_id)
-    truth = min((json.loads(line) for line in (tmp_path / "truth").read_text().splitlines()), key=lambda r: r["start"])
+    truth = min(records(), key=lambda r: r["start"])
     seen = timeline(events, out, truth)
     verdict = next(e["verdict"] for e in events if e["kind"] == "verdict")
-    named = set(verdict["ranks"]) | {r for also in verdict.get("also", []) if also["kind"] == "compute"
-                                     for r in also["ranks"]}
-    assert verdict["kind"] == "compute" and {2, 4} <= named, seen
+    assert verdict["kind"] == "compute" and {2, 4} <= _named(verdict), seen
     assert not [e for e in events if e["kind"] == "mitigation" and e["level"] == "S2"], seen
     moved = [e for e in events if e["kind"] == "mitigation" and e["level"] == "S3"]
     assert moved, seen
@@ -117,28 +130,18 @@ def test_two_compute_stragglers_in_two_replicas_are_gathered_into_one_and_s2_unl
     out = tmp_path / "out"
     job = submit(out, INJECTED_STEPS, greyhound="mitigate")
     wait_tracking(job.job_id)
-    # One schedule, so that both quotas start at one time zero: two `inject compute`
-    # runs started side by side began up to ~5 s apart on 2 busy cores, and profiling,
-    # settled by then, named only the first straggler (CI, stop 23).
-    schedule = tmp_path / "both.yaml"
-    schedule.write_text(yaml.safe_dump({"injections": [
-        {"kind": "compute", "job": job.job_id, "rank": rank, "severity": 0.75, "duration": 45} for rank in (2, 5)]}))
-    inject = subprocess.run([GREYHOUND, "inject", "run", str(schedule), "--truth", str(tmp_path / "truth")],
-                            capture_output=True, text=True, timeout=120)
-    assert inject.returncode == 0, inject.stderr
+    read_records = _throttle_together(job.job_id, (2, 5), tmp_path)
     assert job.wait(900) == "COMPLETED", job.text()
     events = read_events(RUN_DIR_BASE / job.job_id)
-    records = [json.loads(line) for line in (tmp_path / "truth").read_text().splitlines()]
+    records = read_records()
     assert sorted(r["rank"] for r in records) == [2, 5], records
     assert max(r["start"] for r in records) - min(r["start"] for r in records) < 0.5, records
     truth = min(records, key=lambda r: r["start"])
     seen = timeline(events, out, truth)
     verdict = next(e["verdict"] for e in events if e["kind"] == "verdict")
-    named = set(verdict["ranks"]) | {r for also in verdict.get("also", []) if also["kind"] == "compute"
-                                     for r in also["ranks"]}
     # A healthy rank's GEMM may read slow as well (1.39x once: the two healthy reference
     # GEMMs took 0.125 and 0.184 s on 2 shared cores); the two slow ones must be named.
-    assert verdict["kind"] == "compute" and {2, 5} <= named, seen
+    assert verdict["kind"] == "compute" and {2, 5} <= _named(verdict), seen
     gathered = [e for e in events if e["kind"] == "mitigation" and e["level"] == "S3"]
     assert gathered, seen
     cells, split = gathered[0]["placement"], gathered[0]["microbatch_split"]
