@@ -162,3 +162,33 @@ def test_a_rank_publishes_only_what_changed_and_the_store_holds_it_all(job_redis
     assert commands[2] == []                                          # nothing changed: no command
     assert client.hgetall("rank:3") == {"node": "n1", "iterations": "11", "slowdown": "",
                                         "counters": '{"calls": 5}'}
+
+
+def test_the_job_is_read_whole_in_two_round_trips_and_past_one_scan_too(job_redis, monkeypatch):
+    from greyhound.control import store
+
+    _, _, address = job_redis
+    client = address.client()
+    for rank in range(7):
+        pipe = client.pipeline(transaction=False)
+        store.publish_rank(pipe, rank, new_times=[0.1 * rank], fields={"node": f"n{rank // 2}", "iterations": rank},
+                           sent={})
+        pipe.hset(store.agent_key(f"n{rank // 2}"), mapping={"heartbeat": 1.5})
+        pipe.execute()
+    client.set(store.PLAN, store.dumps({"level": "S2"}))
+    client.rpush(store.VERDICTS, store.dumps({"kind": "compute"}))
+
+    sent_commands = []
+    execute = client.execute_command
+    monkeypatch.setattr(client, "execute_command", lambda *a, **k: sent_commands.append(a[0]) or execute(*a, **k))
+    job = store.read_job(client)
+    assert sorted(job["ranks"]) == list(range(7))
+    assert job["ranks"][6] == {"node": "n3", "iterations": 6}
+    assert sorted(job["agents"]) == ["n0", "n1", "n2", "n3"] and job["agents"]["n0"] == {"heartbeat": 1.5}
+    assert job["plan"] == {"level": "S2"} and job["verdicts"] == [{"kind": "compute"}]
+    assert job["suspects"] == [] and job["applied"] is None and job["pauses"] == {}
+    assert sent_commands == []      # pipelines only: no command sent on its own
+
+    # Keys that take several SCAN calls (a job past a thousand ranks) are all found.
+    monkeypatch.setattr(store, "SCAN_COUNT", 2)
+    assert store.read_job(client) == job
