@@ -60,6 +60,8 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
         cwd = os.readlink(f"/proc/{pid}/cwd")
         links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
         inodes = listening(pid)
+        nice = sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")})
+        autogroup = open(f"/proc/{pid}/autogroup").read().split()
     except OSError:
         continue
     ports = sorted({inodes[link[8:-1]] for link in links if link.startswith("socket:[") and link[8:-1] in inodes})
@@ -72,7 +74,8 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
                                 "cmd": cmd, "redis": redis, "ld_preload": env.get("LD_PRELOAD"),
                                 "pythonpath": env.get("PYTHONPATH"), "marker": env.get("GREYHOUND_CONTROL_PLANE"),
                                 "hook_mapped": "libgreyhound_hook" in maps, "stdin": stdin,
-                                "ports": ports}), flush=True)
+                                "ports": ports, "nice": nice, "autogroup": autogroup}), flush=True)
+print("script_autogroup|" + json.dumps(open(f"/proc/{os.getppid()}/autogroup").read().split()))
 """
 
 # Waits (at most a minute) until the plane says it started, then shows it.
@@ -209,6 +212,16 @@ echo "script|$$"
         assert HOOK not in (p["ld_preload"] or ""), p
         assert CAPTURE not in (p["pythonpath"] or ""), p
         assert p["marker"] == "1", p
+    # The plane yields the CPU to the job: every thread of every rank at nice 19, and
+    # their session's autogroup too where the kernel has autogroups; its Redis (read by
+    # training ranks for plans) and the job's own processes keep their priority.
+    autogroups = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    for rank in ranks:
+        assert rank["nice"] == [19], rank
+        assert not autogroups or rank["autogroup"][-1] == "19", rank
+    assert redis[0]["nice"] == [0] and redis[0]["autogroup"][-1] == "0", redis
+    assert json.loads(field(text, "script_autogroup"))[-1] == "0"
+    assert redis[0]["autogroup"][0] not in {rank["autogroup"][0] for rank in ranks}, seen
     # Each rank's MPI listens on ports the kernel chose, not Open MPI's first free port
     # from 1024: a plane that just ended, on the same node, used that one (launch.py).
     low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())

@@ -2,6 +2,8 @@
 greyhound.control.plane``, started by the SPANK plugin with ``srun --overlap``).
 
 Every rank is its node's agent; rank 0 is also the master and runs the job's Redis.
+Once Redis is up, every rank drops to the lowest CPU priority (priority.py): the job's
+ranks come first.
 Each poll: agents read their rings and publish, then the master decides (master.py).
 While a rank's detector weighs a candidate change, its agent polls and publishes four
 times as often until the next poll, and the master looks for a slow job each time.
@@ -37,6 +39,7 @@ from greyhound.control.agent import AgentConfig, NodeAgent
 from greyhound.control.events import append_event
 from greyhound.control.master import Master, MasterConfig
 from greyhound.control.pause import validation_round
+from greyhound.control.priority import yield_cpu
 
 log = logging.getLogger("greyhound.control")
 
@@ -85,6 +88,7 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
     address = comm.bcast(address, root=0)
     if address is None:
         return 0
+    lowered = yield_cpu()       # after Redis started: it keeps the job's priority
     client = address.client()
     agent = NodeAgent(run_dir, node, config=config.agent)
     master = None
@@ -93,7 +97,7 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
             master = Master(run_dir, client, nodes=nodes, config=config.master, poll_s=config.agent.poll_s,
                             planner=_planner(client, run_dir, config.agent.poll_s))
             append_event(run_dir, "control_plane_started", master_node=node, nodes=nodes,
-                         poll_s=config.agent.poll_s, pid=os.getpid())
+                         poll_s=config.agent.poll_s, pid=os.getpid(), nice=lowered)
         # The master beats while it waits for the others too: an agent slowed by a
         # congested link (its Redis round trips take seconds) is not a dead master.
         beat = master.heartbeat if master is not None else (lambda: None)
