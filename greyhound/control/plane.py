@@ -70,21 +70,7 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
     # narrowed by a fail-slow failed ("connect() ... Operation now in progress") and
     # hung the plane mid-validation. One connection per pair of nodes.
     comm.alltoall([None] * comm.size)
-    redis_proc = address = None
-    if comm.rank == 0:
-        from greyhound.control.redis_server import start_redis
-        from greyhound.slurm_client import connect
-
-        try:
-            host = connect().node_address(node)
-        except Exception:  # noqa: BLE001  (no Slurm answer: the address the host name resolves to)
-            host = socket.gethostbyname(socket.gethostname())
-        try:
-            redis_proc, address = start_redis(run_dir, host=host)
-        except Exception as exc:  # noqa: BLE001  (fail open: the job runs, only recorded)
-            print(f"greyhound: control plane: cannot start the job's Redis: {exc}; greyhound only records "
-                  "this job", file=sys.stderr, flush=True)
-            append_event(run_dir, "control_plane_failed", why=str(exc))
+    redis_proc, address = _start_redis(run_dir, node) if comm.rank == 0 else (None, None)
     address = comm.bcast(address, root=0)
     if address is None:
         return 0
@@ -140,6 +126,25 @@ def run(run_dir: Path, *, node: str, config: PlaneConfig, stop: _Stop) -> int:
         assert redis_proc is not None  # rank 0 started it: the address is not None
         stop_redis(redis_proc)
     return 0
+
+
+def _start_redis(run_dir: Path, node: str):
+    """Starts the job's Redis on the master's node; (process, address), or (None, None)
+    with one ``greyhound:`` line and an event when it cannot (fail open: the job runs)."""
+    from greyhound.control.redis_server import start_redis
+    from greyhound.slurm_client import connect
+
+    try:
+        host = connect().node_address(node)
+    except Exception:  # noqa: BLE001  (no Slurm answer: the address the host name resolves to)
+        host = socket.gethostbyname(socket.gethostname())
+    try:
+        return start_redis(run_dir, host=host)
+    except Exception as exc:  # noqa: BLE001  (fail open: the job runs, only recorded)
+        print(f"greyhound: control plane: cannot start the job's Redis: {exc}; greyhound only records "
+              "this job", file=sys.stderr, flush=True)
+        append_event(run_dir, "control_plane_failed", why=str(exc))
+        return None, None
 
 
 def until_next_poll(agent: NodeAgent, client, master: Master | None, *, until: float, every_s: float,
