@@ -328,8 +328,12 @@ def _back(e: dict) -> str:
 
 def _reexamining(e: dict) -> str:
     why, after = _str(e.get("why"), 160), _num(e.get("after_s"))
+    slowdown, cost = _x(e.get("slowdown")), _num(e.get("rounds_cost_s"))
+    measures = [f"job {slowdown} slower" if slowdown else None,
+                f"its last rounds cost {cost:.3g} s" if cost is not None else None]
+    said = "; ".join(m for m in measures if m)
     return _join("re-examining", f" after {after:.3g} s" if after is not None else None,
-                 f": {why}" if why else None)
+                 f" ({said})" if said else None, f": {why}" if why else None)
 
 
 def _started(e: dict) -> str:

@@ -9,7 +9,7 @@ import pytest
 
 from greyhound.control import store
 from greyhound.control.events import read_events
-from greyhound.control.master import Master, MasterConfig
+from greyhound.control.master import Master, MasterConfig, recheck_after_s
 from greyhound.control.redis_server import start_redis, stop_redis
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
@@ -195,7 +195,8 @@ def test_a_slowdown_that_outlasts_an_unknown_verdict_is_examined_again_after_a_d
     run_dir, client = job
     master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_s=1.0, validation_rounds=1,
                                                                        recheck_s=0.2))
-    unconfirmed = {"paused": True, "pause_s": 1.0, "park_s": 0.3, "slow_links": [],
+    # Rounds that cost the job next to nothing: the doubling hold-off alone decides.
+    unconfirmed = {"paused": True, "pause_s": 0.01, "park_s": 0.01, "slow_links": [],
                    "results": [{"key": "compute:5", "rank": 5, "ratio": 1.02, "confirmed": False}]}
     publish(client, slow_ranks=range(8), late_rank=5)
     master.step()
@@ -230,6 +231,45 @@ def test_a_slowdown_that_outlasts_an_unknown_verdict_is_examined_again_after_a_d
     publish(client)                                  # the slowdown ends: recovered, with the named verdict
     master.step()
     assert read_events(run_dir)[-1]["kind"] == "recovered" and read_events(run_dir)[-1]["verdict"] == "compute"
+
+
+@pytest.mark.parametrize(("unknowns", "spent_s", "slowdown", "expected_s"), [
+    (1, 0.0, 1.5, 10.0),         # rounds that cost nothing: the hold-off
+    (3, 0.0, 1.5, 40.0),         # doubled after each further "unknown"
+    (1, 6.8, 1.2, 40.8),         # a drift of 1.2x loses 1/6 of each second: 6.8 s back in 40.8 s
+    (1, 6.8, 2.0, 13.6),         # a fail-slow of 2x pays the rounds back sooner
+    (2, 6.8, 3.0, 20.0),         # sooner than the doubled hold-off: the hold-off
+    (1, 6.8, 1.0, 10.0),         # no slowdown to measure a loss by: the hold-off alone
+])
+def test_an_unknown_verdict_is_examined_again_once_the_slowdown_has_cost_what_its_rounds_did(
+        unknowns, spent_s, slowdown, expected_s):
+    assert recheck_after_s(10.0, unknowns=unknowns, spent_s=spent_s, slowdown=slowdown) == \
+        pytest.approx(expected_s)
+
+
+def test_costly_rounds_hold_the_next_examination_back_until_the_slowdown_has_paid_for_them(job):
+    # The ranks report 1.5x: a third of each second lost. Rounds that parked and
+    # paused the job 0.1 s hold the next look back 0.3 s, past the 0.05 s hold-off.
+    run_dir, client = job
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_s=1.0, validation_rounds=1,
+                                                                       recheck_s=0.05))
+    publish(client, slow_ranks=range(8), late_rank=5)
+    master.step()
+    master.step()
+    master.take_request()
+    master.complete_validation({"paused": True, "pause_s": 0.06, "park_s": 0.04, "slow_links": [],
+                                "results": [{"key": "compute:5", "rank": 5, "ratio": 1.02, "confirmed": False}]})
+    assert master.episode.verdict["kind"] == "unknown"
+    time.sleep(0.15)
+    master.step()
+    assert master.state == "tracking"                # past the hold-off, not yet paid back
+    time.sleep(0.2)
+    master.step()
+    assert master.state == "profiling"
+    event = read_events(run_dir)[-1]
+    assert event["kind"] == "reexamining" and event["slowdown"] == 1.5 and event["rounds_cost_s"] == 0.1
+    assert 0.3 <= event["after_s"] < 0.5
+    assert master.episode.spent_s == 0.0             # the next rounds are the next look's cost
 
 
 def test_a_named_verdict_is_not_examined_again(job):

@@ -349,7 +349,11 @@ def test_the_size_cap_starts_at_a_whole_line(tmp_path):
      "back to tracking: the slowdown ended while profiling"),
     ({"kind": "reexamining", "why": "the job is still slow after a verdict that named nobody", "after_s": 10.04},
      "re-examining after 10 s: the job is still slow after a verdict that named nobody"),
-    ({"kind": "reexamining", "after_s": "soon"}, "re-examining"),
+    ({"kind": "reexamining", "why": "the job is still slow after a verdict that named nobody", "after_s": 42.4,
+      "slowdown": 1.187, "rounds_cost_s": 6.8},
+     "re-examining after 42.4 s (job 1.19x slower; its last rounds cost 6.8 s): the job is still slow after a "
+     "verdict that named nobody"),
+    ({"kind": "reexamining", "after_s": "soon", "slowdown": "x"}, "re-examining"),
     ({"kind": "recovered", "verdict": "compute", "where": "rank 5 on n3", "lasted_s": 8.2, "under_mitigation": "S2"},
      "recovered after 8 s (compute at rank 5 on n3): the job's pace, under mitigation S2"),
     ({"kind": "control_plane_failed", "why": "redis-server\x1b[31m did not start"},

@@ -7,7 +7,8 @@
     validating --(the pause could not be placed, a retry left)--> profiling
     profiling/validating --(the slowdown ended meanwhile)--> tracking ("back_to_tracking")
     a verdict's slowdown ends --> "recovered"
-    an "unknown" verdict's slowdown lasts --(after a hold-off, doubled each time)--> profiling ("reexamining")
+    an "unknown" verdict's slowdown lasts --(after a hold-off: doubled each time, and at least
+        until the slowdown has cost the job what the verdict's rounds did)--> profiling ("reexamining")
 
 Each decision is an event in the job's event log and the state is on the job's Redis,
 where `greyhound status` reads it. Validation (a consistent pause at the hook's gate,
@@ -74,7 +75,9 @@ class MasterConfig:
     """A slowdown validation pinned on nobody is examined again when it lasts this long
     after the verdict, then twice as long after each further "unknown": a fail-slow that
     began while the job was already slow (a false alarm's episode) is still named, and
-    a lasting slowdown nobody causes costs ever fewer pauses."""
+    a lasting slowdown nobody causes costs ever fewer pauses. Never sooner than
+    :func:`recheck_after_s` allows: until the slowdown has cost the job what the
+    verdict's rounds cost it."""
 
     def __post_init__(self) -> None:
         if not 0 < self.slow_rank_fraction <= 1:
@@ -112,6 +115,9 @@ class _Episode:
     """Rounds that held nobody: the pause could not be placed."""
     unknowns: int = 0
     """Verdicts that named nobody."""
+    spent_s: float = 0.0
+    """Job seconds the validation rounds since the last re-examination took (parked and
+    paused): what looking again would cost the job."""
     verdict_at: float = 0.0
     """time.monotonic() of the latest verdict."""
     verdict: dict | None = None
@@ -154,7 +160,8 @@ class Master:
             if not self._detect(ranks):
                 store.set_plane_state(self.client, self.state)
             return
-        if not self._slow(ranks):
+        slow = self._slow(ranks)
+        if not slow:
             if ep.verdict is None:
                 self._event("back_to_tracking", why=f"the slowdown ended while {self.state}")
             else:
@@ -172,10 +179,12 @@ class Master:
         if self.state == "profiling":
             self._profile(ep, ranks)
         elif ep.verdict is not None and ep.verdict["kind"] == "unknown" and \
-                (held_s := time.monotonic() - ep.verdict_at) >= self.config.recheck_s * 2 ** (ep.unknowns - 1):
+                (held_s := time.monotonic() - ep.verdict_at) >= recheck_after_s(
+                    self.config.recheck_s, unknowns=ep.unknowns, spent_s=ep.spent_s, slowdown=_slowdown(slow)):
             self._event("reexamining", why="the job is still slow after a verdict that named nobody",
-                        after_s=round(held_s, 2))
-            ep.rounds = 0
+                        after_s=round(held_s, 2), slowdown=round(_slowdown(slow), 3),
+                        rounds_cost_s=round(ep.spent_s, 2))
+            ep.rounds, ep.spent_s = 0, 0.0
             self._profile_again(ep)
         else:
             store.set_plane_state(self.client, self.state)
@@ -200,7 +209,7 @@ class Master:
         # The ranks' own onsets differ by their trackers' numbering and noise: the
         # median is the job's.
         onset = int(np.median([int(s["slow_since"]) for s in slow.values()]))
-        slowdown = float(np.median([float(s.get("slowdown") or 1.0) for s in slow.values()]))
+        slowdown = _slowdown(slow)
         # Iterations each rank had finished past its own onset when it reported: the
         # detector's delay (the plane's polls add up to a poll or two on top).
         delay = int(np.median([int(s.get("iterations") or 0) - 1 - int(s["slow_since"]) for s in slow.values()]))
@@ -312,6 +321,7 @@ class Master:
             self.client.hincrbyfloat(store.PAUSES, "total_s", outcome["pause_s"])
             self.client.hset(store.PAUSES, "last_s", outcome["pause_s"])
             self._event("paused", seconds=outcome["pause_s"], park_s=outcome["park_s"])
+            ep.spent_s += float(outcome["pause_s"]) + float(outcome["park_s"])
             results = outcome["results"]
         verdict = _verdict(ep.settled, results, ep, outcome)
         again = results is not None and verdict["kind"] == "unknown" and ep.rounds < self.config.validation_rounds
@@ -331,6 +341,31 @@ class Master:
         # time parked (a rank's work per iteration read 0.48 s instead of 0.12 s).
         self._plan("on_verdict", ep.verdict, ep.ranks or store.read_job(self.client)["ranks"])
         self._set("tracking")
+
+
+def _slowdown(slow: dict) -> float:
+    """The job's slowdown: the median slow rank's (its iteration time over its baseline)."""
+    return float(np.median([float(s.get("slowdown") or 1.0) for s in slow.values()]))
+
+
+def recheck_after_s(recheck_s: float, *, unknowns: int, spent_s: float, slowdown: float) -> float:
+    """Seconds after an "unknown" verdict before the slowdown is examined again.
+
+    Ski rental, as the mitigation ladder escalates: a slowdown ``slowdown`` times the
+    healthy iteration costs the job ``1 - 1/slowdown`` of each second (steps it does not
+    make), and looking again costs about what the rounds behind the verdict did
+    (``spent_s``: their parking and pauses; the first ranks at the gate wait for the last).
+    Waiting until the slowdown has cost that much bounds what re-examining costs to
+    what the slowdown itself cost, whatever it turns out to be: on a machine whose pace
+    drifts by 10-20% with nobody to blame (this project's 2-core VM), rounds of 4-5 s
+    every 10 s had cost a healthy job more than its drift. A fail-slow that deepens the
+    slowdown shortens the wait. Never before ``recheck_s``, doubled after each further
+    "unknown" (``unknowns``, at least 1)."""
+    loss_per_s = 1.0 - 1.0 / slowdown if slowdown > 1.0 else 0.0
+    # A slow job whose ranks give no slowdown over 1 has no measure of its loss: the
+    # doubling hold-off alone, as before the rounds had a cost.
+    paid_back_s = spent_s / loss_per_s if loss_per_s > 0 else 0.0
+    return max(recheck_s * 2 ** (max(unknowns, 1) - 1), paid_back_s)
 
 
 def _verdict(suspects: list[Suspect], results: list[dict] | None, ep: _Episode, outcome: dict | None) -> dict:
