@@ -21,10 +21,12 @@ and says that the case is lost.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 from typing import Protocol
@@ -145,6 +147,23 @@ def _run(argv: list[str], *, what: str, timeout_s: float = _TIMEOUT_S) -> str:
     return proc.stdout
 
 
+@contextlib.contextmanager
+def _sigterm_held():
+    """SIGTERM held back from this thread and the commands it starts meanwhile (a
+    blocked signal stays blocked across fork and exec), delivered once it is over.
+    ``requeuehold`` signals every step of the job, the caller's too when it runs in one
+    (greyhound's master does): a ``scontrol update`` started after it died of that
+    SIGTERM (exit -15), and the job was requeued onto the node it was to leave. It does
+    not help against the SIGKILL that may follow within KillWait (srun's forced end of
+    the caller's step): from inside the job the exclusion can still be lost (2 of 6
+    tries of a step requeueing its own job on the local cluster)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def _slurmdbd_storage() -> dict[str, str] | None:
     """slurmdbd.conf's MySQL storage settings, or None where this host cannot read them."""
     try:
@@ -257,12 +276,13 @@ class CommandLineClient:
         match = re.search(r"\bExcNodeList=(\S+)", shown)
         excluded = self.hostnames(match.group(1)) if match and match.group(1) != "(null)" else []
         excluded += [n for n in nodes if n not in excluded]
-        _run(["scontrol", "requeuehold", job_id], what=f"job {job_id}")
-        try:
-            _run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(excluded)}"],
-                 what=f"job {job_id}")
-        finally:
-            _run(["scontrol", "release", job_id], what=f"job {job_id}")
+        with _sigterm_held():
+            _run(["scontrol", "requeuehold", job_id], what=f"job {job_id}")
+            try:
+                _run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(excluded)}"],
+                     what=f"job {job_id}")
+            finally:
+                _run(["scontrol", "release", job_id], what=f"job {job_id}")
 
     def requeue_hold_s(self) -> float:
         """Seconds Slurm holds a requeued job before it may start again: the credential

@@ -126,3 +126,27 @@ def test_a_completing_job_is_still_in_the_queue_but_not_running(state, running, 
                        node_list="n1", num_nodes=1, submit="", start="", end="", elapsed_s=0,
                        work_dir="/", comment="")
     assert (record.running, record.in_queue) == (running, in_queue)
+
+
+def test_sigterm_is_held_from_the_commands_started_meanwhile_and_delivered_after():
+    # requeue_excluding runs its scontrol commands so: requeuehold signals the caller's
+    # own step (greyhound's master runs in one), and the commands after it died of it.
+    import os
+    import signal
+    import threading
+
+    got: list[str] = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: got.append("TERM"))
+    try:
+        with slurm_client._sigterm_held():
+            child = subprocess.Popen(["sleep", "0.3"])
+            child.send_signal(signal.SIGTERM)
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+            assert child.wait(timeout=10) == 0       # it ran to its end
+            assert got == []
+        assert got == ["TERM"]                       # ours, once the block was over
+        child = subprocess.Popen(["sleep", "5"])     # and nothing stays blocked after it
+        os.kill(child.pid, signal.SIGTERM)
+        assert child.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
