@@ -94,7 +94,9 @@ def test_two_stragglers_in_two_stages_of_a_job_that_cannot_re_split_are_consolid
     events = read_events(RUN_DIR_BASE / job.job_id)
     truth = min(records(), key=lambda r: r["start"])
     seen = timeline(events, out, truth)
-    verdict = next(e["verdict"] for e in events if e["kind"] == "verdict")
+    # The injected episode's verdict: a drift of this VM before the injection can have
+    # its own ("unknown", named nobody), as it had in one CI run.
+    verdict = next(e["verdict"] for e in events if e["kind"] == "verdict" and e["time"] >= truth["start"])
     assert verdict["kind"] == "compute" and {2, 4} <= _named(verdict), seen
     assert not [e for e in events if e["kind"] == "mitigation" and e["level"] == "S2"], seen
     moved = [e for e in events if e["kind"] == "mitigation" and e["level"] == "S3"]
@@ -138,7 +140,9 @@ def test_two_compute_stragglers_in_two_replicas_are_gathered_into_one_and_s2_unl
     assert max(r["start"] for r in records) - min(r["start"] for r in records) < 0.5, records
     truth = min(records, key=lambda r: r["start"])
     seen = timeline(events, out, truth)
-    verdict = next(e["verdict"] for e in events if e["kind"] == "verdict")
+    # The injected episode's verdict: a drift of this VM before the injection can have
+    # its own ("unknown", named nobody), as it had in one CI run.
+    verdict = next(e["verdict"] for e in events if e["kind"] == "verdict" and e["time"] >= truth["start"])
     # A healthy rank's GEMM may read slow as well (1.39x once: the two healthy reference
     # GEMMs took 0.125 and 0.184 s on 2 shared cores); the two slow ones must be named.
     assert verdict["kind"] == "compute" and {2, 5} <= _named(verdict), seen
