@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -131,10 +134,6 @@ def test_a_completing_job_is_still_in_the_queue_but_not_running(state, running, 
 def test_sigterm_is_held_from_the_commands_started_meanwhile_and_delivered_after():
     # requeue_excluding runs its scontrol commands so: requeuehold signals the caller's
     # own step (greyhound's master runs in one), and the commands after it died of it.
-    import os
-    import signal
-    import threading
-
     got: list[str] = []
     previous = signal.signal(signal.SIGTERM, lambda *_: got.append("TERM"))
     try:
