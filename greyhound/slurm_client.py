@@ -28,6 +28,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -42,6 +43,8 @@ _DELIMITER = "\x1f|\x1f"
 _JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 """A node or partition name as greyhound passes it to Slurm's commands."""
+_S4_HELD = re.compile(r"\bReason=job_requeued_in_held_state\b")
+"""A job in the hold of ``scontrol requeuehold`` (S4's first command), not yet released."""
 _SLURMDBD_CONF = Path("/etc/slurm/slurmdbd.conf")
 _SACCT_FIELDS = (
     "JobID", "JobName", "User", "State", "ExitCode", "Cluster", "NodeList", "NNodes",
@@ -100,6 +103,8 @@ class SlurmClient(Protocol):
 
     def requeue_excluding(self, job_id: str, nodes: list[str]) -> None: ...
 
+    def finish_requeue(self, job_id: str, nodes: list[str], *, wait_s: float = 10.0) -> list[str]: ...
+
     def requeue_hold_s(self) -> float: ...
 
     def schedulable_nodes(self, partition: str) -> list[str]: ...
@@ -111,6 +116,13 @@ def check_job_id(job_id: str | int) -> str:
     if not _JOB_ID.match(text):
         raise InputError(f"{job_id!r} is not a job id; use a number such as 1234 (or 1234_5 for an array task)")
     return text
+
+
+def _check_node_names(nodes: list[str]) -> None:
+    """Raises InputError unless ``nodes`` is a non-empty list of node names."""
+    bad = [n for n in nodes if not isinstance(n, str) or not _NAME.fullmatch(n)]
+    if bad or not nodes:
+        raise InputError(f"cannot exclude {bad or 'no node'}: node names are letters, digits, '.', '_', '-'")
 
 
 def merge_comment(existing: str, summary: str, *, prefix: str = "greyhound:") -> str:
@@ -155,8 +167,7 @@ def _sigterm_held():
     (greyhound's master does): a ``scontrol update`` started after it died of that
     SIGTERM (exit -15), and the job was requeued onto the node it was to leave. It does
     not help against the SIGKILL that may follow within KillWait (srun's forced end of
-    the caller's step): from inside the job the exclusion can still be lost (2 of 6
-    tries of a step requeueing its own job on the local cluster)."""
+    the caller's step): that is left to ``finish_requeue``, which the epilog runs."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         yield
@@ -262,27 +273,65 @@ class CommandLineClient:
         makes it one at once), then ``release``. The release is tried whatever failed
         before it: a job left held never runs again. Slurm then holds the job back for
         ``requeue_hold_s()`` (its begin time, set when its steps have ended: a caller
-        inside the job cannot lift it).
+        inside the job cannot lift it). A caller inside the job can be killed before it
+        is done: :meth:`finish_requeue`, run by the epilog, completes what it left.
 
         Raises:
             InputError: a node name that is not one.
             SlurmError: a step failed (the message says which; the job is released).
         """
         job_id = check_job_id(job_id)
-        bad = [n for n in nodes if not _NAME.fullmatch(n)]
-        if bad or not nodes:
-            raise InputError(f"cannot exclude {bad or 'no node'}: node names are letters, digits, '.', '_', '-'")
+        _check_node_names(nodes)
         shown = _run(["scontrol", "show", "job", "-o", job_id], what=f"job {job_id}")
-        match = re.search(r"\bExcNodeList=(\S+)", shown)
-        excluded = self.hostnames(match.group(1)) if match and match.group(1) != "(null)" else []
-        excluded += [n for n in nodes if n not in excluded]
         with _sigterm_held():
             _run(["scontrol", "requeuehold", job_id], what=f"job {job_id}")
             try:
-                _run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(excluded)}"],
-                     what=f"job {job_id}")
+                self._exclude(job_id, nodes, shown)
             finally:
                 _run(["scontrol", "release", job_id], what=f"job {job_id}")
+
+    def finish_requeue(self, job_id: str, nodes: list[str], *, wait_s: float = 10.0) -> list[str]:
+        """Completes S4's requeue of job_id without ``nodes`` where its caller could not.
+        EpilogSlurmctld runs this as the job's user when the job's allocation ends: the
+        master requeues from inside the job, and Slurm ends the master's own step with
+        the others (SIGKILL after KillWait), so the exclusion was lost in 2 of 6 tries
+        on the local cluster, and a master killed between hold and release would leave
+        the job held for good. Waits up to ``wait_s`` for the master to release the job,
+        then adds what is missing from ExcNodeList and releases a job still in S4's
+        hold. It can do only what the job's user may; Slurm refuses the update for a
+        job that has ended for good, and the error says so.
+
+        Returns what it did ("excluded n3", "released"); empty when the master did it all.
+
+        Raises:
+            InputError: a node name that is not one.
+            SlurmError: a Slurm command failed.
+        """
+        job_id = check_job_id(job_id)
+        _check_node_names(nodes)
+        deadline = time.monotonic() + wait_s
+        while _S4_HELD.search(shown := _run(["scontrol", "show", "job", "-o", job_id], what=f"job {job_id}")) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        done = []
+        if missing := [n for n in nodes if n not in self._excluded(shown)]:
+            self._exclude(job_id, nodes, shown)
+            done.append(f"excluded {','.join(missing)}")
+        if _S4_HELD.search(shown):
+            _run(["scontrol", "release", job_id], what=f"job {job_id}")
+            done.append("released")
+        return done
+
+    def _excluded(self, shown: str) -> list[str]:
+        """The nodes in the ExcNodeList of a ``scontrol show job -o`` line."""
+        match = re.search(r"\bExcNodeList=(\S+)", shown)
+        return self.hostnames(match.group(1)) if match and match.group(1) != "(null)" else []
+
+    def _exclude(self, job_id: str, nodes: list[str], shown: str) -> None:
+        """Adds ``nodes`` to the job's ExcNodeList as ``shown`` has it (the user's own kept)."""
+        excluded = self._excluded(shown)
+        excluded += [n for n in nodes if n not in excluded]
+        _run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(excluded)}"], what=f"job {job_id}")
 
     def requeue_hold_s(self) -> float:
         """Seconds Slurm holds a requeued job before it may start again: the credential

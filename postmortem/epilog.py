@@ -19,6 +19,13 @@ A job without a usable trace gets a record that says why, and so does one whose
 analysis was refused (the controller busy), ran out of time or of memory. Nothing here
 can fail the job: it has ended, and the epilog script runs this detached.
 
+Slurm runs the epilog when a job is requeued too. Before it waits for a slot, the root
+step starts a short unprivileged step (:func:`finish_requeue`, ``--as-user
+--finish-requeue``) that completes an S4 requeue the job's master began from inside
+the job and may not have finished (Slurm kills the master's step with the others): the
+bad node excluded, the job released. It too runs as the job's user, so it can do only
+what that user may do to their own job.
+
 Usage: python -I -m postmortem.epilog JOBID   (as root on the controller)
 """
 
@@ -30,6 +37,7 @@ import fcntl
 import logging
 import os
 import pwd
+import re
 import signal
 import subprocess
 import sys
@@ -54,6 +62,11 @@ SUMMARY_PREFIX = "greyhound: "
 OUT_OF_MEMORY = "greyhound: no post-mortem: the analysis ran out of memory (GREYHOUND_EPILOG_MEM_KB)"
 _CAUSE_MAX_CHARS = 200
 """How much of an exception's text goes onto the record."""
+FINISH_REQUEUE_TIMEOUT_S = 60.0
+"""Wall-clock limit of the step that completes an S4 requeue (it waits up to 10 s for
+the master, then runs at most four Slurm commands)."""
+_NODE_LIST = re.compile(r"[A-Za-z0-9._,\[\]-]{1,4096}")
+"""A Slurm node list as slurmctld gives it to the epilog (n[1-4],gpu7)."""
 _OUTPUT_MAX_BYTES = 64 * 1024
 """How much of the unprivileged step's stdout/stderr the root step keeps."""
 
@@ -234,13 +247,12 @@ def checked_summary(stdout: bytes) -> str:
     return text
 
 
-def analyze_as_user(job_id: str, owner: JobOwner, config: EpilogConfig) -> str | None:
-    """Runs the unprivileged step for job_id as its owner; its summary (None: no run dir).
-
-    Never raises for what the step did: a crash, a timeout or garbage becomes a summary
-    that says so.
-    """
-    argv = [sys.executable, "-I", "-m", "postmortem.epilog", "--as-user", "--rundir", str(config.rundir), job_id]
+def _run_as_user(args: list[str], owner: JobOwner, config: EpilogConfig, *,
+                 timeout_s: float) -> tuple[int | None, bytes, bytes]:
+    """Runs ``python -I -m postmortem.epilog --as-user ARGS`` as the job's owner, from /,
+    in its own process group, with the memory limit; (exit status or None when it ran
+    out of time and was killed, stdout, stderr), each output kept to _OUTPUT_MAX_BYTES."""
+    argv = [sys.executable, "-I", "-m", "postmortem.epilog", "--as-user", *args]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": owner.home,
            "USER": owner.name, "LOGNAME": owner.name, "TMPDIR": "/tmp"}
     proc = subprocess.Popen(
@@ -254,7 +266,7 @@ def analyze_as_user(job_id: str, owner: JobOwner, config: EpilogConfig) -> str |
     for r in readers:
         r.start()
     try:
-        rc = proc.wait(timeout=config.timeout_s)
+        rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -262,6 +274,17 @@ def analyze_as_user(job_id: str, owner: JobOwner, config: EpilogConfig) -> str |
         rc = None
     for r in readers:
         r.join(timeout=5)
+    return rc, bytes(stdout), bytes(stderr)
+
+
+def analyze_as_user(job_id: str, owner: JobOwner, config: EpilogConfig) -> str | None:
+    """Runs the unprivileged step for job_id as its owner; its summary (None: no run dir).
+
+    Never raises for what the step did: a crash, a timeout or garbage becomes a summary
+    that says so.
+    """
+    rc, stdout, stderr = _run_as_user(["--rundir", str(config.rundir), job_id], owner, config,
+                                      timeout_s=config.timeout_s)
     for line in stderr.decode("utf-8", "replace").splitlines()[-20:]:
         log.info("job %s: analysis: %s", job_id, line[:500].encode("unicode_escape").decode())
     if rc is None:
@@ -277,11 +300,28 @@ def analyze_as_user(job_id: str, owner: JobOwner, config: EpilogConfig) -> str |
         why = f" (memory limit {config.mem_kb // 1024} MiB, GREYHOUND_EPILOG_MEM_KB)" if rc == -signal.SIGKILL else ""
         return f"greyhound: no post-mortem: the analysis was stopped by {name}{why}"
     try:
-        return checked_summary(bytes(stdout))
+        return checked_summary(stdout)
     except GreyhoundError as exc:
         last = next((ln for ln in reversed(stderr.decode("utf-8", "replace").splitlines()) if ln.strip()), "")
         last = "".join(c for c in last if c.isprintable())[:_CAUSE_MAX_CHARS]
         return f"greyhound: no post-mortem: {exc} (exit status {rc}{': ' + last if last else ''})"
+
+
+def finish_requeue_as_user(job_id: str, owner: JobOwner, config: EpilogConfig, node_list: str) -> None:
+    """Completes an S4 requeue of job_id that its master began (see
+    ``CommandLineClient.finish_requeue``), as the job's owner: root lends this step no
+    power, so a run dir or event log shaped by the user can make it do only what the
+    user may do to their own job. Logs what was done; never raises."""
+    if not _NODE_LIST.fullmatch(node_list):
+        log.info("job %s: S4: SLURM_JOB_NODELIST %r is not a node list; nothing to finish", job_id, node_list[:80])
+        return
+    rc, stdout, stderr = _run_as_user(["--finish-requeue", "--nodes", node_list, "--rundir", str(config.rundir),
+                                       job_id], owner, config, timeout_s=FINISH_REQUEUE_TIMEOUT_S)
+    lines = (stdout + stderr).decode("utf-8", "replace").splitlines()
+    for line in lines[-5:]:
+        log.info("job %s: %s", job_id, line[:500].encode("unicode_escape").decode())
+    if rc != 0:
+        log.info("job %s: S4: the step ended with %s", job_id, "a timeout" if rc is None else f"status {rc}")
 
 
 def run(job_id: str, *, config: EpilogConfig | None = None, env: Mapping[str, str] | None = None) -> str | None:
@@ -290,7 +330,11 @@ def run(job_id: str, *, config: EpilogConfig | None = None, env: Mapping[str, st
     config = config or read_config(env)
     t0 = time.monotonic()
     client = connect()
-    owner = job_owner(*job_owner_ids(job_id, client, os.environ if env is None else env))
+    env = os.environ if env is None else env
+    owner = job_owner(*job_owner_ids(job_id, client, env))
+    # First, and without waiting for a slot: Slurm starts a requeued job again once its
+    # hold (cred_expire, 30-120 s) is over, and S4's exclusion must be in place by then.
+    finish_requeue_as_user(job_id, owner, config, env.get("SLURM_JOB_NODELIST", ""))
     try:
         with analysis_slot(config):
             summary = analyze_as_user(job_id, owner, config)
@@ -365,13 +409,11 @@ def analyze_job(job_id: str, rundir: Path) -> str | None:
     job_id = check_job_id(job_id)
     run_dir = rundir / job_id
     try:
-        st = run_dir.lstat()
-    except OSError:
+        _check_own_run_dir(run_dir)
+    except FileNotFoundError:
         return None
-    if not run_dir.is_dir() or run_dir.is_symlink():
-        return f"greyhound: no post-mortem: {run_dir} is not a directory"
-    if st.st_uid != os.getuid():
-        return f"greyhound: no post-mortem: {run_dir} is owned by uid {st.st_uid}, not the job's uid {os.getuid()}"
+    except GreyhoundError as exc:
+        return f"greyhound: no post-mortem: {exc}"
     options = read_options(run_dir)
     try:
         if options.get("trace") == "off":
@@ -401,24 +443,65 @@ def analyze_job(job_id: str, rundir: Path) -> str | None:
     return f"{summary}; {note}"[:COMMENT_MAX_LEN] if note else summary
 
 
+def _check_own_run_dir(run_dir: Path) -> None:
+    """Raises FileNotFoundError when run_dir is missing, GreyhoundError when it is not a
+    directory (a symlink included) of this process's user."""
+    st = run_dir.lstat()
+    if not run_dir.is_dir() or run_dir.is_symlink():
+        raise GreyhoundError(f"{run_dir} is not a directory")
+    if st.st_uid != os.getuid():
+        raise GreyhoundError(f"{run_dir} is owned by uid {st.st_uid}, not the job's uid {os.getuid()}")
+
+
+def _requeued_events(run_dir: Path) -> list[dict]:
+    """The run's ``requeued`` events (S4 began a requeue), oldest first; [] when the
+    event log cannot be read. A ``requeued`` event followed by S4's "requeue failed"
+    stays in the list: the note says what was tried."""
+    from greyhound.control.events import read_events
+
+    try:
+        return [e for e in read_events(run_dir) if e["kind"] == "requeued"]
+    except Exception:  # noqa: BLE001  (the note is extra: the post-mortem stands without it)
+        return []
+
+
 def requeue_note(run_dir: Path) -> str | None:
     """What S4 did to this job, from its event log, for its record ("S4 requeued it
     without n3 after step 309: link fail-slow at n3"); None when it did nothing. The
     run's own note on the comment does not outlive the requeue, so the post-mortem's
     summary carries it."""
-    from greyhound.control.events import read_events
-
-    try:
-        done = [e for e in read_events(run_dir) if e["kind"] == "requeued"]
-    except Exception:  # noqa: BLE001  (the note is extra: the post-mortem stands without it)
-        return None
     parts = []
-    for e in done[-3:]:
+    for e in _requeued_events(run_dir)[-3:]:
         nodes = ",".join(str(n) for n in e.get("nodes", []) if isinstance(n, str))[:80] or "?"
         parts.append(f"S4 requeued it without {nodes} after step {e.get('step')}: {str(e.get('why'))[:120]}")
     # The events are the user's to write: only printable text reaches the record (the
     # root side refuses a summary with anything else, and the post-mortem's with it).
     return "; ".join(" ".join("".join(c if c.isprintable() else " " for c in p).split()) for p in parts) or None
+
+
+def finish_requeue(job_id: str, rundir: Path, node_list: str) -> str | None:
+    """As the job's user, at the end of an allocation: if this run's master began an
+    S4 requeue (its last ``requeued`` event), makes sure the job waits for its next
+    start barred from the event's nodes that the allocation had, and released; what was
+    done, or None when there was nothing to do."""
+    from greyhound.slurm_client import CommandLineClient
+
+    job_id = check_job_id(job_id)
+    run_dir = rundir / job_id
+    try:
+        _check_own_run_dir(run_dir)
+    except (OSError, GreyhoundError):
+        return None
+    events = _requeued_events(run_dir)
+    if not events:
+        return None
+    slurm = CommandLineClient()
+    allocated = slurm.hostnames(node_list)
+    nodes = [n for n in events[-1].get("nodes", []) if isinstance(n, str) and n in allocated]
+    if not nodes:
+        return f"greyhound: S4: the requeue names no node of this allocation ({node_list}); nothing to do"
+    done = slurm.finish_requeue(job_id, nodes)
+    return f"greyhound: S4: {'; '.join(done) if done else 'the master had excluded ' + ','.join(nodes)}"
 
 
 def _as_user_main(argv: list[str]) -> int:
@@ -427,6 +510,15 @@ def _as_user_main(argv: list[str]) -> int:
     rundir = Path(argv[argv.index("--rundir") + 1])
     job_id = argv[-1]
     os.umask(0o077)
+    if "--finish-requeue" in argv:
+        try:
+            done = finish_requeue(job_id, rundir, argv[argv.index("--nodes") + 1])
+        except GreyhoundError as exc:
+            print(f"greyhound: S4: {exc}")
+            return 1
+        if done:
+            print(done)
+        return 0
     with tempfile.TemporaryDirectory(prefix="greyhound-epilog-") as mpl_dir:
         os.environ["MPLCONFIGDIR"] = mpl_dir
         summary = analyze_job(job_id, rundir)

@@ -1,6 +1,7 @@
-"""S4's Slurm step on the real cluster: a job's own, unprivileged user requeues the
-running job away from a node (greyhound.slurm_client.requeue_excluding), and Slurm runs
-it again elsewhere."""
+"""S4's Slurm step on the real cluster: a step of the job, as its own unprivileged user,
+requeues the running job away from a node (greyhound.slurm_client.requeue_excluding),
+the epilog finishes what Slurm's end of that step cut short, and Slurm runs the job
+again elsewhere."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, ensure_user
+from conftest import EPILOG_LOG, REPO, ensure_user
 
 pytestmark = pytest.mark.cluster
 
@@ -38,43 +39,75 @@ def _until(what, timeout_s: float):
     return got
 
 
-def test_the_jobs_own_user_requeues_it_away_from_a_node_and_it_runs_again_elsewhere(cluster):
+# S4 as the master runs it: from a step of the job itself, which Slurm ends with the
+# others (SIGTERM, SIGKILL after KillWait). "hold-only" is a master killed right after
+# its first command: only the epilog can finish the requeue.
+IN_JOB_SCRIPT = """#!/bin/bash
+#SBATCH --nodes=2
+#SBATCH --time=5
+#SBATCH --open-mode=append
+echo "run ${SLURM_RESTART_COUNT:-0} $(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd,)"
+if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then
+    srun --overlap -N1 -n1 "$GH_PYTHON" -I -c "$GH_S4" "$GH_HOW"
+fi
+sleep 300
+"""
+S4_STEP = """
+import os, subprocess, sys, time
+from greyhound.control.events import append_event
+from greyhound.slurm_client import CommandLineClient
+slurm = CommandLineClient()
+job_id, bad = os.environ["SLURM_JOB_ID"], slurm.hostnames(os.environ["SLURM_JOB_NODELIST"])[-1]
+append_event(os.environ["GREYHOUND_RUN_DIR"], "requeued", nodes=[bad, "n99", "n1;reboot"], step=7, why="test")
+if sys.argv[1] == "hold-only":
+    subprocess.run(["scontrol", "requeuehold", job_id], check=True)
+    time.sleep(600)
+else:
+    slurm.requeue_excluding(job_id, [bad])
+"""
+
+
+@pytest.mark.parametrize("how", ["requeue_excluding", "hold-only"])
+def test_a_step_of_the_job_requeues_it_away_from_a_node_and_it_runs_again_elsewhere(cluster, how):
     from greyhound.slurm_client import CommandLineClient
 
     user = ensure_user("gh-victim")
     # Under /tmp itself: pytest's tmp_path lies below a directory only root may enter.
     tmp_path = Path(tempfile.mkdtemp(prefix="gh-requeue-", dir="/tmp"))
     tmp_path.chmod(0o777)
-    (tmp_path / "job.sh").write_text(SCRIPT)
+    (tmp_path / "job.sh").write_text(IN_JOB_SCRIPT)
     out = tmp_path / "out.txt"
-    job_id = subprocess.run(["runuser", "-u", user.pw_name, "--", "sbatch", "--parsable", f"--output={out}",
-                             str(tmp_path / "job.sh")], capture_output=True, text=True, check=True,
-                            cwd=tmp_path, timeout=60).stdout.strip()
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+           "GH_PYTHON": str(REPO / ".venv/bin/python"), "GH_S4": S4_STEP, "GH_HOW": how}
+    job_id = subprocess.run(["runuser", "-u", user.pw_name, "--", "sbatch", "--parsable", "--greyhound",
+                             f"--output={out}", "--export=ALL", str(tmp_path / "job.sh")], capture_output=True,
+                            text=True, check=True, cwd=tmp_path, env=env, timeout=60).stdout.strip()
     try:
         first = _until(lambda: _runs(out), 60)
         assert first and first[0][0] == 0, out.read_text() if out.exists() else "no output"
-        bad = first[0][1][0]
-        requeue = (f"from greyhound.slurm_client import CommandLineClient\n"
-                   f"CommandLineClient().requeue_excluding({job_id!r}, [{bad!r}])\n")
+        bad = first[0][1][-1]
         t0 = time.monotonic()
-        proc = subprocess.run(["runuser", "-u", user.pw_name, "--", str(REPO / ".venv/bin/python"), "-I", "-c",
-                               requeue], capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr
         # Slurm holds a requeued job back for its credential lifetime (its begin time),
         # which the local cluster sets to 30 s (Slurm's default: 120 s).
         hold_s = CommandLineClient().requeue_hold_s()
         assert hold_s == 30.0
         runs = _until(lambda: len(_runs(out)) == 2 and _runs(out), hold_s + 120)
-        assert runs, f"not run again within {hold_s + 120:.0f} s: {out.read_text()}"
-        again_s = time.monotonic() - t0
-        print(f"requeued and running again after {again_s:.0f} s (hold {hold_s:.0f} s)")
-        assert again_s >= hold_s
-        assert runs[1][0] == 1 and bad not in runs[1][1] and len(runs[1][1]) == 2, runs
+        assert runs, f"not run again within {hold_s + 120:.0f} s: {out.read_text()}\n{_epilog_lines(job_id)}"
+        print(f"{how}: running again after {time.monotonic() - t0:.0f} s (hold {hold_s:.0f} s)")
+        assert runs[1][0] == 1 and bad not in runs[1][1] and len(runs[1][1]) == 2, (runs, _epilog_lines(job_id))
         shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
-        assert f"ExcNodeList={bad}" in shown and "Restarts=1" in shown, shown
+        # Only the allocation's own node: n99 and "n1;reboot" in the event changed nothing.
+        assert f"ExcNodeList={bad} " in shown and "Restarts=1" in shown, shown
+        if how == "hold-only":
+            assert any(f"S4: excluded {bad}; released" in line for line in _epilog_lines(job_id)), _epilog_lines(job_id)
     finally:
         subprocess.run(["scancel", job_id], check=False)
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _epilog_lines(job_id: str) -> list[str]:
+    return [line for line in EPILOG_LOG.read_text(errors="replace").splitlines()
+            if f"job {job_id}: greyhound: S4:" in line] if EPILOG_LOG.exists() else []
 
 
 def test_a_bad_node_name_is_refused_before_anything_changes(cluster):

@@ -219,6 +219,23 @@ def test_the_jobs_record_says_what_s4_did_even_without_a_post_mortem(tmp_path):
     assert summary.endswith("; S4 requeued it without n [31m4 after step 400: link fail-slow at n4"), summary
 
 
+def test_the_epilog_finishes_no_requeue_without_a_requeued_event_in_the_users_own_run_dir(tmp_path):
+    """finish_requeue (the job user's S4 step of the epilog) touches Slurm only for a
+    ``requeued`` event in a run dir of the caller's own: none, or a symlinked run dir,
+    and it returns before any Slurm command (none runs here)."""
+    from postmortem.epilog import finish_requeue
+
+    assert finish_requeue("77", tmp_path, "n[1-4]") is None                 # no run dir
+    (tmp_path / "77").mkdir()
+    append_event(tmp_path / "77", "mitigation", level="S2")
+    assert finish_requeue("77", tmp_path, "n[1-4]") is None                 # no requeued event
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    append_event(elsewhere, "requeued", nodes=["n3"], step=1, why="x")
+    (tmp_path / "78").symlink_to(elsewhere)
+    assert finish_requeue("78", tmp_path, "n[1-4]") is None                 # not a directory of its own
+
+
 # --- a hostile or broken event log: one line in the report, never a traceback ---------
 
 

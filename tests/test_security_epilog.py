@@ -13,6 +13,7 @@ what happened.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pwd
 import shutil
@@ -214,6 +215,34 @@ def test_the_attackers_own_report_is_private_to_them(users, trace_file):
     for f in report.iterdir():
         fst = f.lstat()
         assert (fst.st_uid, fst.st_mode & 0o077) == (attacker.pw_uid, 0), f
+
+
+def test_a_planted_requeue_event_moves_nothing_but_the_attackers_own_ended_job(users):
+    """The epilog completes S4 from the run's event log, which the user writes: an event
+    naming every node, for a job that was never requeued, must change no job, no node
+    and no other user's pending job."""
+    from conftest import EPILOG_LOG
+
+    victim_job = submit_as(VICTIM, "#!/bin/bash\nsleep 300\n", "--hold")
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True,
+                           check=True).stdout.split()
+    before = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True).stdout
+    event = json.dumps({"time": 1, "kind": "requeued", "nodes": nodes, "step": 1, "why": "planted"})
+    try:
+        job, comment = run_attack(f"echo '{event}' > $R/events.jsonl\n")
+        assert "S4 requeued it without" in comment, comment          # the note says what the log claims
+        lines = [ln for ln in EPILOG_LOG.read_text(errors="replace").splitlines()
+                 if f"job {job.job_id}: greyhound: S4:" in ln]
+        assert lines and "failed" in lines[-1], lines                 # Slurm refused: the job had ended
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job.job_id], capture_output=True, text=True).stdout
+        assert "ExcNodeList=(null)" in shown or not shown.strip(), shown
+        victim = subprocess.run(["scontrol", "show", "job", "-o", victim_job.job_id], capture_output=True,
+                                text=True, check=True).stdout
+        assert "ExcNodeList=(null)" in victim and "Reason=JobHeldUser" in victim, victim
+        after = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True).stdout
+        assert after == before
+    finally:
+        subprocess.run(["scancel", victim_job.job_id], check=False)
 
 
 # --- the epilog's bounds: a refused, stopped or starved analysis still leaves a line ----
