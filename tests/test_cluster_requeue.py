@@ -69,6 +69,8 @@ else:
 
 @pytest.mark.parametrize("how", ["requeue_excluding", "hold-only"])
 def test_a_step_of_the_job_requeues_it_away_from_a_node_and_it_runs_again_elsewhere(cluster, how):
+    from greyhound.control.events import read_events
+    from greyhound.plugstack import read_plugstack
     from greyhound.slurm_client import CommandLineClient
 
     user = ensure_user("gh-victim")
@@ -100,6 +102,9 @@ def test_a_step_of_the_job_requeues_it_away_from_a_node_and_it_runs_again_elsewh
         assert f"ExcNodeList={bad} " in shown and "Restarts=1" in shown, shown
         if how == "hold-only":
             assert any(f"S4: excluded {bad}; released" in line for line in _epilog_lines(job_id)), _epilog_lines(job_id)
+        # The second run goes on in the first run's directory: its event log still says why.
+        events = read_events(read_plugstack().rundir / job_id)
+        assert [e["nodes"][0] for e in events if e["kind"] == "requeued"] == [bad], events
     finally:
         subprocess.run(["scancel", job_id], check=False)
         shutil.rmtree(tmp_path, ignore_errors=True)

@@ -73,7 +73,8 @@ const char *gh_path_unprepend(const char *entry, const char *current);
 int gh_rundir_open(const char *rundir, int create, char *err, size_t err_len);
 int gh_rundir_lock(int rundir_fd, char *err, size_t err_len);
 void gh_rundir_unlock(int lock_fd);
-int gh_job_dir_prepare(int rundir_fd, uint32_t job_id, uid_t uid, gid_t gid, char *err, size_t err_len);
+int gh_job_dir_prepare(int rundir_fd, uint32_t job_id, uid_t uid, gid_t gid, time_t now, char *err,
+		       size_t err_len);
 int gh_job_dir_end(int rundir_fd, uint32_t job_id, char *err, size_t err_len);
 int gh_rundir_sweep(int rundir_fd, int retain_days, time_t now, char *err, size_t err_len);
 int gh_job_file_write(int dir_fd, const char *name, const char *content, uid_t uid, gid_t gid, char *err,

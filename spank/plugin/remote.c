@@ -147,7 +147,7 @@ int gh_remote_init_post_opt(spank_t sp)
 		slurm_error("greyhound: remote: unsafe or unusable %s; greyhound is off for job %u", err, job_id);
 		return 0;
 	}
-	if ((job_fd = gh_job_dir_prepare(rundir_fd, job_id, uid, gid, err, sizeof(err))) < 0) {
+	if ((job_fd = gh_job_dir_prepare(rundir_fd, job_id, uid, gid, time(NULL), err, sizeof(err))) < 0) {
 		slurm_error("greyhound: remote: run directory %s: %s; greyhound is off for job %u", run_dir, err, job_id);
 		goto out;
 	}

@@ -11,8 +11,9 @@
  *   <jobid>/        a job's run directory: owned by the job's user, mode 0700; the
  *                   hook's rings (ring.*), the timeline, the options file, the report
  *   <jobid>.end     root's mark that job <jobid> has ended (empty; its mtime says when):
- *                   a later job with the same id gets a fresh directory, and the
- *                   retention sweep removes <jobid>/ retain= days after it
+ *                   a later job with the same id gets a fresh directory (a requeued
+ *                   run of the job, back within an hour, keeps it and the mark goes),
+ *                   and the retention sweep removes <jobid>/ retain= days after it
  *   .lock           root-only (0600) lock: checking, creating and removing job
  *                   directories happen under it, for steps and nodes sharing rundir=
  *   .new.<random>   a job directory being prepared; renamed to <jobid> when complete
@@ -48,6 +49,7 @@
 #define GH_LOCK_WAIT_MS 10000    /* holders keep it for milliseconds */
 #define GH_POSTMORTEM_GRACE_S 3600 /* retain=0 still leaves the post-mortem this long */
 #define GH_ORPHAN_AGE_S 3600     /* a .new./.trash. entry this old was abandoned */
+#define GH_REQUEUE_KEEP_S 3600   /* a job id back this soon after its end: a requeue */
 #define GH_SWEEP_MAX 256         /* run directories removed per sweep at most */
 #define GH_RM_MAX_DEPTH 32       /* deeper directories are moved up, not recursed into */
 #define GH_RM_MAX_PASSES 100000
@@ -344,8 +346,18 @@ static int job_names(uint32_t job_id, char *name, size_t name_len, char *end, si
  * is removed (another user's, or a reused job id's) and a new one made. The new one
  * appears complete (made under a temporary name, then renamed). Returns its fd, or
  * -1 with err set.
+ *
+ * A requeued job (greyhound's S4, an admin's scontrol requeue) ends and starts again
+ * with the same id: its next run goes on in the directory of the run before, so that
+ * its event log still says why it was requeued and its timeline continues. Slurm 22.05
+ * tells a SPANK plugin nothing of the requeue here (S_SLURM_RESTART_COUNT reads 0, and
+ * SLURM_RESTART_COUNT is not yet in the job's environment), so a directory of the same
+ * user whose mark is younger than GH_REQUEUE_KEEP_S counts as that job's: a job id
+ * comes back that soon only for a requeue (ids are reused after a controller starts
+ * afresh, or wrap at 67 million), and never hands one user's files to another.
  */
-int gh_job_dir_prepare(int rundir_fd, uint32_t job_id, uid_t uid, gid_t gid, char *err, size_t err_len)
+int gh_job_dir_prepare(int rundir_fd, uint32_t job_id, uid_t uid, gid_t gid, time_t now, char *err,
+		       size_t err_len)
 {
 	char name[16], end[24], tmp[32] = "", trash[32] = "";
 	struct stat st, end_st;
@@ -363,12 +375,17 @@ int gh_job_dir_prepare(int rundir_fd, uint32_t job_id, uid_t uid, gid_t gid, cha
 
 		if (fstat(fd, &st) < 0)
 			FAIL("stat %s: %s", name, strerror(errno));
-		if (st.st_uid == uid && !ended) {
-			/* This job's, from another step or node: keep it, as we make it. */
+		int requeued = ended && end_st.st_mtime > now - GH_REQUEUE_KEEP_S;
+
+		if (st.st_uid == uid && (!ended || requeued)) {
+			/* This job's, from another step or node, or its run before a requeue:
+			 * keep it, as we make it; running again, it has not ended. */
 			if ((st.st_gid != gid && fchown(fd, uid, gid) < 0) ||
 			    ((st.st_mode & 07777) != 0700 && fchmod(fd, 0700) < 0))
 				FAIL("%s: cannot restore owner %u:%u and mode 0700: %s", name, (unsigned)uid,
 				     (unsigned)gid, strerror(errno));
+			if (ended && unlinkat(rundir_fd, end, 0) < 0 && errno != ENOENT)
+				FAIL("cannot remove %s: %s", end, strerror(errno));
 			rv = 0;
 			goto fail; /* done: unlock and return fd */
 		}

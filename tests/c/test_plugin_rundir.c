@@ -161,12 +161,12 @@ static void test_job_directory(int rd)
 	struct stat st, st2;
 	int fd, job_fd;
 
-	job_fd = gh_job_dir_prepare(rd, 41, 65534, 65534, err, sizeof(err));
+	job_fd = gh_job_dir_prepare(rd, 41, 65534, 65534, time(NULL), err, sizeof(err));
 	CHECK(job_fd >= 0 && fstat(job_fd, &st) == 0 && st.st_uid == 65534 && st.st_gid == 65534 &&
 	      (st.st_mode & 07777) == 0700 && err[0] == '\0');
 	/* Another step of the same job: the same directory, contents kept. */
 	write_file(at("rd/41/timeline"), "t\n");
-	fd = gh_job_dir_prepare(rd, 41, 65534, 65534, err, sizeof(err));
+	fd = gh_job_dir_prepare(rd, 41, 65534, 65534, time(NULL), err, sizeof(err));
 	CHECK(fd >= 0 && fstat(fd, &st2) == 0 && st2.st_ino == st.st_ino && exists(at("rd/41/timeline")));
 	close(fd);
 
@@ -188,20 +188,36 @@ static void test_reused_job_ids(int rd)
 	CHECK(mkdir(at("rd/42"), 0700) == 0 && chown(at("rd/42"), 12345, 12345) == 0);
 	write_file(at("rd/42/trace.h5"), "old\n");
 	plant(at("rd/42"));
-	fd = gh_job_dir_prepare(rd, 42, 65534, 65534, err, sizeof(err));
+	fd = gh_job_dir_prepare(rd, 42, 65534, 65534, time(NULL), err, sizeof(err));
 	CHECK(fd >= 0 && fstat(fd, &st) == 0 && st.st_uid == 65534 && !exists(at("rd/42/trace.h5")) &&
 	      !exists(at("rd/42/link-to-file")) && outside_intact());
 	close(fd);
-	/* The same user's, from an ended job with the same id (its .end mark): fresh too. */
+	/* The same user's, from a job with the same id that ended hours ago: fresh too. */
 	CHECK(mkdir(at("rd/43"), 0700) == 0 && chown(at("rd/43"), 65534, 65534) == 0);
 	write_file(at("rd/43/trace.h5"), "old\n");
 	write_file(at("rd/43.end"), "");
-	fd = gh_job_dir_prepare(rd, 43, 65534, 65534, err, sizeof(err));
+	age(at("rd/43.end"), 2 * 3600);
+	fd = gh_job_dir_prepare(rd, 43, 65534, 65534, time(NULL), err, sizeof(err));
 	CHECK(fd >= 0 && !exists(at("rd/43/trace.h5")) && !exists(at("rd/43.end")));
+	close(fd);
+	/* A requeued run of the job (its id back within the hour) goes on in its directory. */
+	CHECK(mkdir(at("rd/45"), 0700) == 0 && chown(at("rd/45"), 65534, 65534) == 0);
+	write_file(at("rd/45/events.jsonl"), "{}\n");
+	write_file(at("rd/45.end"), "");
+	age(at("rd/45.end"), 100);
+	fd = gh_job_dir_prepare(rd, 45, 65534, 65534, time(NULL), err, sizeof(err));
+	CHECK(fd >= 0 && is_file_with(at("rd/45/events.jsonl"), "{}\n") && !exists(at("rd/45.end")));
+	close(fd);
+	/* ... but never another user's. */
+	CHECK(mkdir(at("rd/46"), 0700) == 0 && chown(at("rd/46"), 12345, 12345) == 0);
+	write_file(at("rd/46/events.jsonl"), "{}\n");
+	write_file(at("rd/46.end"), "");
+	fd = gh_job_dir_prepare(rd, 46, 65534, 65534, time(NULL), err, sizeof(err));
+	CHECK(fd >= 0 && fstat(fd, &st) == 0 && st.st_uid == 65534 && !exists(at("rd/46/events.jsonl")));
 	close(fd);
 	/* Not a directory where the job's directory goes. */
 	CHECK(symlink(at("outside"), at("rd/44")) == 0);
-	fd = gh_job_dir_prepare(rd, 44, 65534, 65534, err, sizeof(err));
+	fd = gh_job_dir_prepare(rd, 44, 65534, 65534, time(NULL), err, sizeof(err));
 	CHECK(fd >= 0 && lstat(at("rd/44"), &st) == 0 && S_ISDIR(st.st_mode) && outside_intact());
 	close(fd);
 }
