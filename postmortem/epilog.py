@@ -481,8 +481,8 @@ def requeue_note(run_dir: Path) -> str | None:
 
 def finish_requeue(job_id: str, rundir: Path, node_list: str) -> str | None:
     """As the job's user, at the end of an allocation: if this run's master began an
-    S4 requeue (its last ``requeued`` event), makes sure the job waits for its next
-    start barred from the event's nodes that the allocation had, and released; what was
+    S4 requeue (the last ``requeued`` event names a node of this allocation), makes sure
+    the job waits for its next start barred from those nodes, and released; what was
     done, or None when there was nothing to do."""
     from greyhound.slurm_client import CommandLineClient
 
@@ -497,9 +497,11 @@ def finish_requeue(job_id: str, rundir: Path, node_list: str) -> str | None:
         return None
     slurm = CommandLineClient()
     allocated = slurm.hostnames(node_list)
+    # None of them: an earlier run's requeue (a requeued run goes on in the same run
+    # dir, without the node), or an event naming nodes the job never had.
     nodes = [n for n in events[-1].get("nodes", []) if isinstance(n, str) and n in allocated]
     if not nodes:
-        return f"greyhound: S4: the requeue names no node of this allocation ({node_list}); nothing to do"
+        return None
     done = slurm.finish_requeue(job_id, nodes)
     return f"greyhound: S4: {'; '.join(done) if done else 'the master had excluded ' + ','.join(nodes)}"
 
