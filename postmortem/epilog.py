@@ -371,11 +371,15 @@ def find_trace(run_dir: Path, job_id: str) -> Path:
         d = run_dir / sub
         merged = d / TRACE_FILE_NAME
         try:
-            if merged.is_file() and os.access(merged, os.R_OK):
+            rank_files = list(d.glob("rank-*.jsonl"))
+            # A merged trace older than a rank file is a requeued job's first run's (the
+            # epilog merged it at the requeue, and the next run appended to the files).
+            if merged.is_file() and os.access(merged, os.R_OK) and \
+                    merged.stat().st_mtime >= max((f.stat().st_mtime for f in rank_files), default=0.0):
                 return merged
-            if merged.exists():
+            if merged.exists() and not os.access(merged, os.R_OK):
                 raise GreyhoundError(f"cannot read {merged}: permission denied")
-            if any(d.glob("rank-*.jsonl")):
+            if rank_files:
                 return merge_trace_dir(d, job_id=job_id)
         except PermissionError as exc:
             raise GreyhoundError(f"cannot read {exc.filename or d}: permission denied") from None

@@ -219,6 +219,40 @@ def test_the_jobs_record_says_what_s4_did_even_without_a_post_mortem(tmp_path):
     assert summary.endswith("; S4 requeued it without n [31m4 after step 400: link fail-slow at n4"), summary
 
 
+def _record_steps(trace_dir: Path, steps: range, *, resume: bool) -> None:
+    from greyhound.timeline import TimelineConfig, TimelineRecorder
+
+    job = {"dp": 2, "pp": 1, "tp": 1, "num_microbatches": 2, "microbatches_per_dp": [1, 1],
+           "schedule": "1F1B", "job_id": "5", "trial_name": "requeued"}
+    for rank in range(2):
+        rec = TimelineRecorder(TimelineConfig(trace_dir=str(trace_dir), every=1, append=resume), rank=rank,
+                               dp_rank=rank, pp_rank=0, node="n1", device="cpu", job=job)
+        for step in steps:
+            rec.start_step(step, num_microbatches=1)
+            rec.record("forward-compute", microbatch=0, start=step * 0.1, duration=0.01)
+            rec.record("backward-compute", microbatch=0, start=step * 0.1 + 0.02, duration=0.02)
+            rec.end_step()
+        rec.close()
+
+
+def test_a_requeued_jobs_trace_is_merged_again_with_its_next_runs_steps(tmp_path):
+    """The epilog merges the timeline at a requeue; the next run (same run dir, --resume)
+    appends to the rank files, and the post-mortem at its end takes every step, not the
+    first run's merged trace."""
+    from postmortem.epilog import find_trace
+    from postmortem.schema import read_trace
+
+    timeline = tmp_path / "5" / "timeline"
+    _record_steps(timeline, range(0, 3), resume=False)
+    first = find_trace(tmp_path / "5", "5")
+    assert sorted(set(read_trace(first).ops["step"].tolist())) == [0, 1, 2]
+    os.utime(first, (time.time() - 60, time.time() - 60))      # the restart comes later
+    _record_steps(timeline, range(3, 6), resume=True)
+    again = find_trace(tmp_path / "5", "5")
+    assert again == first and sorted(set(read_trace(again).ops["step"].tolist())) == list(range(6))
+    assert find_trace(tmp_path / "5", "5") == again              # up to date: taken as it is
+
+
 def test_the_epilog_finishes_no_requeue_without_a_requeued_event_in_the_users_own_run_dir(tmp_path):
     """finish_requeue (the job user's S4 step of the epilog) touches Slurm only for a
     ``requeued`` event in a run dir of the caller's own: none, or a symlinked run dir,
