@@ -55,7 +55,13 @@ def job_status(job_id: str, *, rundir: Path | None = None) -> dict:
     except Exception as exc:  # noqa: BLE001  (the server is gone: the job ended, or the master died)
         out["events"] = _events_once_redis_is_gone(run_dir)
         kinds = [e["kind"] for e in out["events"]]
-        if "control_plane_stopped" in kinds:
+        requeued = _requeued_since_start(out["events"])
+        if requeued is not None:
+            out["control_plane"] = "requeued"
+            nodes = ",".join(str(n) for n in requeued.get("nodes", []))
+            out["why"] = (f"S4 requeued the job without {nodes} after step {requeued.get('step')}; the control "
+                          "plane starts again with its next run")
+        elif "control_plane_stopped" in kinds:
             out["control_plane"] = "stopped"
             out["why"] = f"the job has ended; its post-mortem: greyhound report {job_id}"
         else:
@@ -67,7 +73,9 @@ def job_status(job_id: str, *, rundir: Path | None = None) -> dict:
     heartbeat = float(plane.get("heartbeat") or 0)
     out.update(state)
     out["control_plane"] = plane.get("state", "starting")
-    if out["control_plane"] not in ("stopped", "failed") and time.time() - heartbeat > store.HEARTBEAT_STALE_S:
+    if not heartbeat:
+        out["control_plane"] = "starting"        # Redis is up, the master has not written yet
+    elif out["control_plane"] not in ("stopped", "failed") and time.time() - heartbeat > store.HEARTBEAT_STALE_S:
         out["control_plane"] = "failed"
         out["why"] = f"the master has been silent for {time.time() - heartbeat:.0f}s"
     return out
@@ -85,6 +93,17 @@ def _events_once_redis_is_gone(run_dir: Path) -> list[dict]:
                 time.monotonic() >= deadline:
             return events
         time.sleep(0.1)
+
+
+def _requeued_since_start(events: list[dict]) -> dict | None:
+    """The ``requeued`` event of the last run, if S4 requeued it (a requeued job's next
+    run goes on in the same run dir and starts its plane again); else None."""
+    for e in reversed(events):
+        if e["kind"] == "requeued":
+            return e
+        if e["kind"] == "control_plane_started":
+            return None
+    return None
 
 
 def _no_run_dir_reason(job_id: str, run_dir: Path) -> str:

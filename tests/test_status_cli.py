@@ -45,3 +45,26 @@ def test_a_plane_that_never_says_it_stopped_is_failed_after_the_grace(ended_job,
     monkeypatch.setattr(status_cli, "STOP_GRACE_S", 0.3)
     shown = status_cli.job_status("4242", rundir=rundir)
     assert shown["control_plane"] == "failed" and "does not answer" in shown["why"], shown
+
+
+def test_a_job_requeued_by_s4_says_so_until_its_next_run_starts_its_plane(ended_job):
+    rundir, run_dir = ended_job
+    append_event(run_dir, "requeued", nodes=["n3"], step=188, why="link fail-slow at n3")
+    append_event(run_dir, "control_plane_stopped")
+    shown = status_cli.job_status("4242", rundir=rundir)
+    assert shown["control_plane"] == "requeued", shown
+    assert shown["why"].startswith("S4 requeued the job without n3 after step 188"), shown
+    append_event(run_dir, "control_plane_started", master_node="n1", nodes=["n1"], poll_s=0.5, pid=2)
+    append_event(run_dir, "control_plane_stopped")
+    assert status_cli.job_status("4242", rundir=rundir)["control_plane"] == "stopped"
+
+
+def test_a_plane_whose_master_has_not_written_yet_is_starting_not_failed(tmp_path):
+    run_dir = tmp_path / "4243"
+    run_dir.mkdir()
+    proc, _ = start_redis(run_dir, host="127.0.0.1")
+    try:
+        shown = status_cli.job_status("4243", rundir=tmp_path)
+    finally:
+        stop_redis(proc)
+    assert shown["control_plane"] == "starting", shown
