@@ -286,7 +286,7 @@ class CommandLineClient:
         with _sigterm_held():
             _run(["scontrol", "requeuehold", job_id], what=f"job {job_id}")
             try:
-                self._exclude(job_id, nodes, shown)
+                self._exclude(job_id, nodes, self._excluded(shown))
             finally:
                 _run(["scontrol", "release", job_id], what=f"job {job_id}")
 
@@ -313,9 +313,9 @@ class CommandLineClient:
         while _S4_HELD.search(shown := _run(["scontrol", "show", "job", "-o", job_id], what=f"job {job_id}")) \
                 and time.monotonic() < deadline:
             time.sleep(0.5)
-        done = []
-        if missing := [n for n in nodes if n not in self._excluded(shown)]:
-            self._exclude(job_id, nodes, shown)
+        done, excluded = [], self._excluded(shown)
+        if missing := [n for n in nodes if n not in excluded]:
+            self._exclude(job_id, nodes, excluded)
             done.append(f"excluded {','.join(missing)}")
         if _S4_HELD.search(shown):
             _run(["scontrol", "release", job_id], what=f"job {job_id}")
@@ -327,11 +327,11 @@ class CommandLineClient:
         match = re.search(r"\bExcNodeList=(\S+)", shown)
         return self.hostnames(match.group(1)) if match and match.group(1) != "(null)" else []
 
-    def _exclude(self, job_id: str, nodes: list[str], shown: str) -> None:
-        """Adds ``nodes`` to the job's ExcNodeList as ``shown`` has it (the user's own kept)."""
-        excluded = self._excluded(shown)
-        excluded += [n for n in nodes if n not in excluded]
-        _run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(excluded)}"], what=f"job {job_id}")
+    def _exclude(self, job_id: str, nodes: list[str], excluded: list[str]) -> None:
+        """Sets the job's ExcNodeList to ``excluded`` (what it has: the user's own kept)
+        and ``nodes``."""
+        merged = excluded + [n for n in nodes if n not in excluded]
+        _run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(merged)}"], what=f"job {job_id}")
 
     def requeue_hold_s(self) -> float:
         """Seconds Slurm holds a requeued job before it may start again: the credential
