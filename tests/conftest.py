@@ -108,6 +108,27 @@ def cluster() -> None:
     while (reason := _cluster_reason()) and "no usable node" in reason and time.monotonic() < deadline:
         time.sleep(2)
     require(reason)
+    if left := _cancel_jobs_from_before():
+        warnings.warn(f"cancelled job(s) {', '.join(left)}, left in the queue from before this test run",
+                      stacklevel=1)
+
+
+def _cancel_jobs_from_before(timeout_s: float = 60) -> list[str]:
+    """Cancels the jobs in the local cluster's queue as the test run starts, and waits
+    for them to leave it; their ids. The tests need the whole cluster: a job an aborted
+    earlier run left behind survives scripts/cluster down and up (slurmctld keeps its
+    state), held all four nodes for 30 minutes and failed the lifecycle tests in CI."""
+    def queued() -> list[str]:
+        return subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True,
+                              timeout=30).stdout.split()
+
+    left = queued()
+    if left:
+        subprocess.run(["scancel", *left], capture_output=True, timeout=30, check=False)
+    deadline = time.monotonic() + timeout_s
+    while queued() and time.monotonic() < deadline:
+        time.sleep(1)
+    return left
 
 
 def ensure_user(name: str):
