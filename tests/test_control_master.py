@@ -24,14 +24,14 @@ def job(tmp_path):
     stop_redis(proc)
 
 
-def publish(client, *, slow_ranks=(), slow_since=40, late_rank=None):
+def publish(client, *, slow_ranks=(), slow_since=40, late_rank=None, slowdown=1.5):
     """Eight ranks (r on node r // 2), DP groups (r, r + 4); late_rank arrives last."""
     for r in range(8):
         slow = r in slow_ranks
         pipe = client.pipeline(transaction=False)
         store.publish_rank(pipe, r, new_times=[0.3 if slow else 0.2], fields={
             "node": NODES[r // 2], "iterations": 60, "current_s": 0.3 if slow else 0.2, "baseline_s": 0.2,
-            "slowdown": 1.5 if slow else 1.0, "slow_since": slow_since if slow else None,
+            "slowdown": slowdown if slow else 1.0, "slow_since": slow_since if slow else None,
             "compute_share": 0.9 if r == late_rank else (0.5 if r == (late_rank or 0) - 4 else 0.8),
         })
         pipe.execute()
@@ -245,6 +245,38 @@ def test_an_unknown_verdict_is_examined_again_once_the_slowdown_has_cost_what_it
         unknowns, spent_s, slowdown, expected_s):
     assert recheck_after_s(10.0, unknowns=unknowns, spent_s=spent_s, slowdown=slowdown) == \
         pytest.approx(expected_s)
+
+
+def test_a_slowdown_that_deepens_after_an_unknown_verdict_is_examined_again_at_once(job):
+    # A drift's verdict named nobody (1.5x); two ranks are throttled just then and the
+    # job's slowdown grows to 2.0x: examined now, not after the long hold-off.
+    run_dir, client = job
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_s=1.0, validation_rounds=1,
+                                                                       recheck_s=100.0))
+    publish(client, slow_ranks=range(8), late_rank=5)
+    master.step()
+    master.step()
+    master.take_request()
+    master.complete_validation({"paused": True, "pause_s": 0.01, "park_s": 0.01, "slow_links": [],
+                                "results": [{"key": "compute:5", "rank": 5, "ratio": 1.02, "confirmed": False}]})
+    assert master.episode.verdict["kind"] == "unknown"
+    publish(client, slow_ranks=range(8), late_rank=5, slowdown=1.7)     # under a fifth further: waits
+    master.step()
+    assert master.state == "tracking"
+    publish(client, slow_ranks=range(8), late_rank=5, slowdown=2.0)
+    master.step()
+    assert master.state == "profiling"
+    event = read_events(run_dir)[-1]
+    assert event["kind"] == "reexamining" and event["slowdown"] == 2.0 and event["after_s"] < 5, event
+    assert event["why"] == "the job slowed further after a verdict that named nobody"
+    # Named nobody again at 2.0x: the next look waits for the hold-off, not at once.
+    master.step()
+    master.take_request()
+    master.complete_validation({"paused": True, "pause_s": 0.01, "park_s": 0.01, "slow_links": [],
+                                "results": [{"key": "compute:5", "rank": 5, "ratio": 1.02, "confirmed": False}]})
+    assert [e["verdict"]["kind"] for e in read_events(run_dir) if e["kind"] == "verdict"] == ["unknown"] * 2
+    master.step()
+    assert master.state == "tracking" and read_events(run_dir)[-1]["kind"] != "reexamining"
 
 
 def test_costly_rounds_hold_the_next_examination_back_until_the_slowdown_has_paid_for_them(job):
