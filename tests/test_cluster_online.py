@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
+from greyhound.analytics.detect import slow_spans
 from greyhound.control.events import read_events
 from reference_job import GREYHOUND, RUN_DIR_BASE, losses, status, step_times, submit, timeline, wait_tracking
 
@@ -54,7 +55,14 @@ def test_a_compute_fail_slow_is_detected_validated_named_and_its_end_seen(unmiti
     finished = sum(record["start"] < end <= by_kind["detected"]["time"] for end, _ in step_times(out))
     assert 1 <= finished <= 8, seen
     assert 1 <= by_kind["detected"]["delay_iterations"] <= 6, seen
-    assert "recovered" in by_kind and by_kind["recovered"]["time"] > record["end"], seen
+    # The recovery, where the job's own steps show one: in one run this VM went on 1.19x
+    # slower than before the injection to the job's end, and the steps' detector, like
+    # the plane's, kept the slowdown open (by the paper's 10% it had not ended).
+    ends, times = map(np.array, zip(*step_times(out)))
+    injected = [(a, b) for a, b in slow_spans(ends, times) if a - 5 <= record["start"] <= (b or np.inf)]
+    assert injected, ("the job's own steps show no slowdown at the injection", seen)
+    if injected[0][1] is not None:
+        assert "recovered" in by_kind and by_kind["recovered"]["time"] > record["end"], seen
     # The master writes its last event as Slurm ends the step, just after the job's end.
     deadline = time.monotonic() + 20
     while (shown := status(unmitigated.job_id))["control_plane"] != "stopped" and time.monotonic() < deadline:

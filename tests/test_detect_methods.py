@@ -13,7 +13,7 @@ import pytest
 
 from greyhound.analytics.baselines import WindowDetector, window_changepoints
 from greyhound.analytics.bocd import BocdConfig, derived_constants
-from greyhound.analytics.detect import METHODS, detect_series, make_detector
+from greyhound.analytics.detect import METHODS, detect_series, make_detector, slow_spans
 from greyhound.analytics.scenarios import ring_records
 from greyhound.analytics.synthetic import FailSlow, call_trace, labelled_series
 from greyhound.analytics.tracker import RankTracker
@@ -148,3 +148,18 @@ def test_the_analytics_run_without_the_compiled_kernel():
 def test_the_kernel_is_used_where_it_is_built():
     assert HAVE_KERNEL, "the compiled kernel is not built: run scripts/setup"
     assert BocdV is CompiledBocdV
+
+
+def test_slow_spans_place_a_jobs_slowdowns_on_its_clock_and_leave_an_unended_one_open():
+    # 0.25 s steps, 2x for steps 100-159, then 1.2x from step 260 to the end.
+    rng = np.random.default_rng(3)
+    times = 0.25 * np.r_[np.full(100, 1.0), np.full(60, 2.0), np.full(100, 1.0), np.full(80, 1.2)]
+    times *= 1 + 0.01 * rng.standard_normal(len(times))
+    ends = 1000.0 + np.cumsum(times)
+    spans = slow_spans(ends, times)
+    assert len(spans) == 2, spans
+    (a, b), (c, d) = spans
+    assert a == pytest.approx(ends[99], abs=0.3) and b == pytest.approx(ends[160], abs=0.6)
+    assert c == pytest.approx(ends[259], abs=0.6) and d is None
+    with pytest.raises(ValueError, match="differ in shape"):
+        slow_spans(ends[:-1], times)

@@ -26,7 +26,7 @@ from greyhound.analytics.changepoint import ChangePoint, Detector, check_series
 from greyhound.analytics.intervals import SlowInterval, healthy_level, slow_intervals
 from greyhound.analytics.verify import BocdV, VerifyConfig
 
-__all__ = ["METHODS", "Detection", "detect_series", "make_detector"]
+__all__ = ["METHODS", "Detection", "detect_series", "make_detector", "slow_spans"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,3 +130,24 @@ def detect_series(
         changepoints=tuple(cps),
         slow_intervals=tuple(intervals),
     )
+
+
+def slow_spans(step_ends: np.ndarray, step_times: np.ndarray) -> list[tuple[float, float | None]]:
+    """(start, end) in the clock of ``step_ends`` of each slowdown in a job's own step
+    times (the detector run on the steps the job logged, not on the hook's records):
+    what the job itself shows, to judge the control plane's detections against. A
+    slowdown still open at the last step ends at None. On this project's 2-core VM runs
+    without greyhound slowed 1.15-1.25x for 10-30 s; by the paper's definition (a
+    sustained change of 10% or more) each is a fail-slow, and a plane that reports one
+    is right.
+
+    Args:
+        step_ends: (n,) when each step ended (seconds), n >= 1.
+        step_times: (n,) each step's duration (seconds, finite and > 0).
+    """
+    ends, times = np.asarray(step_ends, dtype=np.float64), np.asarray(step_times, dtype=np.float64)
+    if ends.shape != times.shape:
+        raise ValueError(f"step_ends and step_times differ in shape: {ends.shape} != {times.shape}")
+    return [(float(ends[s.start_index] - times[s.start_index]),
+             None if s.end_index is None else float(ends[s.end_index]))
+            for s in detect_series(times).slow_intervals]
