@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from greyhound.control.validate import (
-    RankClock, judge_gemm, judge_links, pause_iterations, pause_lead_s, pause_steps, reference_ranks,
+    RankClock, doubtful_suspects, judge_gemm, judge_links, pause_iterations, pause_lead_s, pause_steps,
+    reference_ranks,
 )
 
 
@@ -56,6 +57,17 @@ def test_a_suspect_is_judged_against_the_slowest_reference():
     out = judge_gemm(times, suspects=[5, 2, 4], references=[0, 7])
     assert [(o["rank"], o["confirmed"]) for o in out] == [(5, True), (2, True), (4, False)]
     assert out[2]["reference_s"] == 0.184
+
+
+def test_only_a_suspect_just_over_the_bar_is_run_again():
+    # The local cluster, before any injection: rank 3 read 1.33x the slowest reference
+    # in both runs. Rank 5 under a quota reads 15x, rank 2 (capped) at least 10x, rank 4 1.1x.
+    times = {0: 0.1784, 7: 0.1798, 3: 0.2384, 5: 2.7, 2: 1.8, 4: 0.198}
+    assert doubtful_suspects(times, suspects=[3, 5, 2, 4], references=[0, 7], clearly_slow=4.0,
+                             capped=[2]) == [3]
+    times[3] = 0.2011           # its third run: 1.12x, under the bar
+    assert doubtful_suspects(times, suspects=[3, 5, 2, 4], references=[0, 7], clearly_slow=4.0,
+                             capped=[2]) == []
 
 
 def test_a_link_suspect_is_confirmed_by_a_slow_link_on_its_node():

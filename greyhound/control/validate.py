@@ -137,6 +137,17 @@ def judge_gemm(times_s: dict[int, float], *, suspects: list[int], references: li
     return out
 
 
+def doubtful_suspects(times_s: dict[int, float], *, suspects: list[int], references: list[int],
+                      clearly_slow: float, capped=()) -> list[int]:
+    """The suspects whose GEMM is over the bar but not clearly slow: run again (with the
+    references) before they are named. A rank under a CPU quota is slow at every run; on
+    cores the ranks share (the local cluster: 8 ranks on 2 cores, whose sibling threads
+    slow each other's GEMM) a healthy rank read 1.33x in both of its runs before any
+    injection and was named a straggler."""
+    return [o["rank"] for o in judge_gemm(times_s, suspects=suspects, references=references, capped=capped)
+            if o["confirmed"] and not o["at_least"] and o["ratio"] < clearly_slow]
+
+
 def judge_links(slow: list[dict], *, suspect_nodes: list[tuple[str, ...]]) -> list[dict]:
     """Per link suspect (its nodes): confirmed when a slow link touches them."""
     out = []
