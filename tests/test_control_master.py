@@ -363,6 +363,33 @@ def test_a_failed_pause_gives_an_unvalidated_verdict(job):
     assert v["validated"] is False and v["kind"] == "compute" and v["why"].endswith("not validated")
 
 
+def test_a_verdict_whose_pause_failed_is_examined_again_when_the_job_slows_further(job):
+    # CI: a drift's episode got an unvalidated verdict (rank 1; the pause failed) just as
+    # two ranks were throttled; the 4x slowdown after it was never examined.
+    run_dir, client = job
+    master = _profiled(job, config=MasterConfig(profile_s=1.0, recheck_s=100.0))
+    master.take_request()
+    master.complete_validation({"paused": False, "why": "not every rank reached the pause iteration in time"})
+    assert master.episode.verdict["validated"] is False and master.state == "tracking"
+    master.step()                                    # as slow as examined: waits for the hold-off
+    assert master.state == "tracking"
+    publish(client, slow_ranks=range(8), late_rank=5, slowdown=4.0)
+    master.step()
+    event = read_events(run_dir)[-1]
+    assert master.state == "profiling" and event["kind"] == "reexamining", event
+    assert event["why"] == "the job slowed further after a verdict that could not be validated"
+
+
+def test_without_validation_a_verdict_is_not_examined_again(job):
+    run_dir, client = job
+    master = _profiled(job, config=MasterConfig(profile_s=1.0, recheck_s=0.01), validate=False)
+    assert master.episode.verdict["validated"] is False
+    publish(client, slow_ranks=range(8), late_rank=5, slowdown=4.0)
+    time.sleep(0.05)
+    master.step()
+    assert master.state == "tracking" and "reexamining" not in [e["kind"] for e in read_events(run_dir)]
+
+
 def test_a_pause_that_could_not_be_placed_profiles_again_until_its_retries_run_out(job):
     # After an S2 split change a rank's tracker re-locks for a few seconds: no rank was
     # held and nothing was tested, so the verdict waits for a round that can be placed.

@@ -10,6 +10,7 @@
     an "unknown" verdict's slowdown lasts --(after a hold-off: doubled each time, and at least
         until the slowdown has cost the job what the verdict's rounds did)--> profiling ("reexamining")
     an "unknown" verdict's slowdown deepens a fifth --> profiling at once ("reexamining")
+    (a verdict whose validation could not run counts as "unknown" for both)
 
 Each decision is an event in the job's event log and the state is on the job's Redis,
 where `greyhound status` reads it. Validation (a consistent pause at the hook's gate,
@@ -115,7 +116,7 @@ class _Episode:
     unplaced: int = 0
     """Rounds that held nobody: the pause could not be placed."""
     unknowns: int = 0
-    """Verdicts that named nobody."""
+    """Verdicts that settled nothing: named nobody, or their validation could not run."""
     spent_s: float = 0.0
     """Job seconds the validation rounds since the last re-examination took (parked and
     paused): what looking again would cost the job."""
@@ -179,7 +180,7 @@ class Master:
             return
         if self.state == "profiling":
             self._profile(ep, ranks)
-        elif ep.verdict is not None and ep.verdict["kind"] == "unknown" and (why := self._recheck_why(ep, slow)):
+        elif ep.verdict is not None and self._inconclusive(ep.verdict) and (why := self._recheck_why(ep, slow)):
             self._event("reexamining", why=why, after_s=round(time.monotonic() - ep.verdict_at, 2),
                         slowdown=round(_slowdown(slow), 3), rounds_cost_s=round(ep.spent_s, 2))
             # The slowdown examined now is the episode's: a further "unknown" is examined
@@ -189,17 +190,26 @@ class Master:
         else:
             store.set_plane_state(self.client, self.state)
 
+    def _inconclusive(self, verdict: dict) -> bool:
+        """A verdict that settles nothing: it named nobody, or its validation was asked for
+        and could not run (the pause failed). In a CI run a drift's episode got such a
+        verdict (rank 1, "not every rank reached the pause iteration in time") just as two
+        ranks were throttled, and the 4x slowdown that followed was never examined."""
+        return verdict["kind"] == "unknown" or (self.validate and not verdict["validated"])
+
     def _recheck_why(self, ep: _Episode, slow: dict) -> str | None:
-        """Why an "unknown" verdict's slowdown is examined again now (None: not yet): the
-        job slowed a fifth further (a fail-slow on top of what was examined: in a CI run a
-        drift's verdict came as two ranks were throttled, and the ski-rental hold-off
-        held their examination back 18 s, most of the throttle), or the hold-off passed."""
+        """Why an inconclusive verdict's slowdown is examined again now (None: not yet):
+        the job slowed a fifth further (a fail-slow on top of what was examined: in a CI
+        run a drift's verdict came as two ranks were throttled, and the ski-rental
+        hold-off held their examination back 18 s, most of the throttle), or the hold-off
+        passed."""
         slowdown = _slowdown(slow)
+        what = "named nobody" if ep.verdict and ep.verdict["kind"] == "unknown" else "could not be validated"
         if slowdown > self.config.deepened_ratio * ep.slowdown:
-            return "the job slowed further after a verdict that named nobody"
+            return f"the job slowed further after a verdict that {what}"
         if time.monotonic() - ep.verdict_at >= recheck_after_s(
                 self.config.recheck_s, unknowns=ep.unknowns, spent_s=ep.spent_s, slowdown=slowdown):
-            return "the job is still slow after a verdict that named nobody"
+            return f"the job is still slow after a verdict that {what}"
         return None
 
     def watch(self) -> None:
@@ -346,7 +356,7 @@ class Master:
             return
         ep.verdict = verdict
         ep.verdict_at = time.monotonic()
-        ep.unknowns += verdict["kind"] == "unknown"
+        ep.unknowns += self._inconclusive(verdict)
         self.client.rpush(store.VERDICTS, store.dumps(ep.verdict))
         self._event("verdict", verdict=ep.verdict)
         # The ranks as they stood before the round: the other nodes' agents publish
