@@ -328,9 +328,11 @@ def test_a_throttled_suspects_gemm_is_waited_for_at_most_the_cap(tmp_path):
     gemm = json.loads(child.stdout.splitlines()[-1])
     healthy, throttled = gemm["times_s"]["0"], gemm["times_s"]["1"]
     assert gemm["capped"] == [1], gemm
-    # Cut at GEMM_CAP times the reference's time then (its fastest run may come later:
-    # the figure kept is its best of two), far short of the ~20x the whole GEMM takes.
-    assert GEMM_CAP * healthy <= throttled < 15 * healthy, gemm
+    # Cut at GEMM_CAP times the reference's time then, far short of the ~20x the whole
+    # GEMM takes; the reference's fastest run may come later (the figure kept is its best
+    # of two: in CI its runs took 0.19 and 0.12 s, the cut came at 16x the best).
+    cap_s = gemm["cap_s"]["1"]
+    assert GEMM_CAP * healthy <= cap_s <= throttled < cap_s + 0.1, gemm
     # The round took the probes, the reference's runs and the capped wait, no more.
     assert gemm["wall_s"] < throttled + 1.5, gemm
     (result,) = judge_gemm({int(k): v for k, v in gemm["times_s"].items()}, suspects=[1], references=[0],

@@ -190,8 +190,9 @@ def _bench_on(comm, local: dict, rank: int, n: int, beat, *,
 
 
 def _gemm_round(comm, local: dict, ranks: list[int], refs: list[int], n: int, times: dict[int, float],
-                capped: set[int], beat) -> None:
-    """One GEMM on each of ``ranks`` in turn; each rank keeps its fastest time in ``times``."""
+                capped: dict[int, float], beat) -> None:
+    """One GEMM on each of ``ranks`` in turn; each rank keeps its fastest time in
+    ``times``, and a rank whose GEMM was cut the wait it was cut at in ``capped``."""
     for r in ranks:
         healthy = [times[x] for x in refs if x in times]
         wait_s = min(BENCH_TIMEOUT_S, GEMM_CAP * min(healthy)) if healthy and r not in refs else BENCH_TIMEOUT_S
@@ -199,7 +200,7 @@ def _gemm_round(comm, local: dict, ranks: list[int], refs: list[int], n: int, ti
         if t is not None:
             times[r] = min(t, times.get(r, t))
         if cut:
-            capped.add(r)
+            capped[r] = wait_s
 
 
 def _gemm(comm, local: dict, request: dict, beat) -> dict:
@@ -217,7 +218,7 @@ def _gemm(comm, local: dict, request: dict, beat) -> dict:
     # throttled rank's second run would only lengthen the pause by seconds. The
     # references run first: a suspect is waited for GEMM_CAP times their fastest.
     times: dict[int, float] = {}
-    capped: set[int] = set()
+    capped: dict[int, float] = {}
     ranks = [*refs, *suspects]
     for _ in range(GEMM_ROUNDS):
         _gemm_round(comm, local, ranks, refs, n, times, capped, beat)
@@ -231,5 +232,7 @@ def _gemm(comm, local: dict, request: dict, beat) -> dict:
         if not doubtful:
             break
         _gemm_round(comm, local, [*refs, *doubtful], refs, n, times, capped, beat)
-    return {"n": n, "times_s": times, "capped": sorted(capped)}
+    # The cap is the references' fastest time when the suspect ran, which a later, faster
+    # reference run can undercut: the wait itself says where the lower bound stands.
+    return {"n": n, "times_s": times, "capped": sorted(capped), "cap_s": {r: capped[r] for r in sorted(capped)}}
 
