@@ -74,7 +74,9 @@ def test_another_user_can_neither_read_the_password_nor_use_the_jobs_redis(clust
     from greyhound.control.redis_server import ADDRESS_FILE, SECRET_FILE
 
     nobody = pwd.getpwnam("nobody")
-    job = submit(tmp_path / "out", 60)
+    # Long enough to outlast the probes: in a CI rehearsal a job of 60 steps had ended
+    # (its Redis with it) by the time the trackers were ready and the probe connected.
+    job = submit(tmp_path / "out", 150)
     wait_tracking(job.job_id, iterations=1)
     run_dir = RUN_DIR_BASE / job.job_id
     host, port = (run_dir / ADDRESS_FILE).read_text().strip().rsplit(":", 1)
