@@ -121,6 +121,11 @@ def test_a_look_between_polls_opens_the_episode_and_leaves_the_rest_to_the_poll(
     assert master.state == "validating" and master.take_request() is not None
 
 
+UNCONFIRMED = {"paused": True, "pause_s": 0.01, "park_s": 0.01, "slow_links": [],
+               "results": [{"key": "compute:5", "rank": 5, "ratio": 1.02, "confirmed": False}]}
+"""A validation round that paused the job briefly and confirmed nobody (rank 5's GEMM 1.02x)."""
+
+
 def _profiled(job, **kw):
     run_dir, client = job
     kw.setdefault("config", MasterConfig(profile_s=1.0))
@@ -196,8 +201,7 @@ def test_a_slowdown_that_outlasts_an_unknown_verdict_is_examined_again_after_a_d
     master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_s=1.0, validation_rounds=1,
                                                                        recheck_s=0.2))
     # Rounds that cost the job next to nothing: the doubling hold-off alone decides.
-    unconfirmed = {"paused": True, "pause_s": 0.01, "park_s": 0.01, "slow_links": [],
-                   "results": [{"key": "compute:5", "rank": 5, "ratio": 1.02, "confirmed": False}]}
+    unconfirmed = UNCONFIRMED
     publish(client, slow_ranks=range(8), late_rank=5)
     master.step()
     master.step()
@@ -251,14 +255,9 @@ def test_a_slowdown_that_deepens_after_an_unknown_verdict_is_examined_again_at_o
     # A drift's verdict named nobody (1.5x); two ranks are throttled just then and the
     # job's slowdown grows to 2.0x: examined now, not after the long hold-off.
     run_dir, client = job
-    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_s=1.0, validation_rounds=1,
-                                                                       recheck_s=100.0))
-    publish(client, slow_ranks=range(8), late_rank=5)
-    master.step()
-    master.step()
+    master = _profiled(job, config=MasterConfig(profile_s=1.0, validation_rounds=1, recheck_s=100.0))
     master.take_request()
-    master.complete_validation({"paused": True, "pause_s": 0.01, "park_s": 0.01, "slow_links": [],
-                                "results": [{"key": "compute:5", "rank": 5, "ratio": 1.02, "confirmed": False}]})
+    master.complete_validation(UNCONFIRMED)
     assert master.episode.verdict["kind"] == "unknown"
     publish(client, slow_ranks=range(8), late_rank=5, slowdown=1.7)     # under a fifth further: waits
     master.step()
@@ -272,8 +271,7 @@ def test_a_slowdown_that_deepens_after_an_unknown_verdict_is_examined_again_at_o
     # Named nobody again at 2.0x: the next look waits for the hold-off, not at once.
     master.step()
     master.take_request()
-    master.complete_validation({"paused": True, "pause_s": 0.01, "park_s": 0.01, "slow_links": [],
-                                "results": [{"key": "compute:5", "rank": 5, "ratio": 1.02, "confirmed": False}]})
+    master.complete_validation(UNCONFIRMED)
     assert [e["verdict"]["kind"] for e in read_events(run_dir) if e["kind"] == "verdict"] == ["unknown"] * 2
     master.step()
     assert master.state == "tracking" and read_events(run_dir)[-1]["kind"] != "reexamining"
@@ -282,15 +280,10 @@ def test_a_slowdown_that_deepens_after_an_unknown_verdict_is_examined_again_at_o
 def test_costly_rounds_hold_the_next_examination_back_until_the_slowdown_has_paid_for_them(job):
     # The ranks report 1.5x: a third of each second lost. Rounds that parked and
     # paused the job 0.1 s hold the next look back 0.3 s, past the 0.05 s hold-off.
-    run_dir, client = job
-    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(profile_s=1.0, validation_rounds=1,
-                                                                       recheck_s=0.05))
-    publish(client, slow_ranks=range(8), late_rank=5)
-    master.step()
-    master.step()
+    run_dir, _ = job
+    master = _profiled(job, config=MasterConfig(profile_s=1.0, validation_rounds=1, recheck_s=0.05))
     master.take_request()
-    master.complete_validation({"paused": True, "pause_s": 0.06, "park_s": 0.04, "slow_links": [],
-                                "results": [{"key": "compute:5", "rank": 5, "ratio": 1.02, "confirmed": False}]})
+    master.complete_validation({**UNCONFIRMED, "pause_s": 0.06, "park_s": 0.04})
     assert master.episode.verdict["kind"] == "unknown"
     time.sleep(0.15)
     master.step()

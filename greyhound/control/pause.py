@@ -234,5 +234,5 @@ def _gemm(comm, local: dict, request: dict, beat) -> dict:
         _gemm_round(comm, local, [*refs, *doubtful], refs, n, times, capped, beat)
     # The cap is the references' fastest time when the suspect ran, which a later, faster
     # reference run can undercut: the wait itself says where the lower bound stands.
-    return {"n": n, "times_s": times, "capped": sorted(capped), "cap_s": {r: capped[r] for r in sorted(capped)}}
+    return {"n": n, "times_s": times, "capped": sorted(capped), "cap_s": dict(sorted(capped.items()))}
 
