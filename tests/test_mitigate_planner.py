@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import shutil
 import socket
+import subprocess
 
 import pytest
 
@@ -413,6 +414,44 @@ def test_a_move_that_makes_the_job_slower_is_moved_back_and_s3_rests_until_the_s
     planner.poll({r: {**s, "slow_since": None} for r, s in ranks.items()})
     planner.on_verdict(LINK_VERDICT, ranks)
     assert planner.s3 is not None
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("still_slow", [True, False])
+def test_s4_waits_for_the_judge_of_s3s_move_and_goes_only_if_the_job_is_still_slow(cluster, job, still_slow):
+    # The loss (5 s) is past both rungs' costs at the verdict (S4: no start-up, a 1 s
+    # hold, a 0.25 s step): S3 moves first, and S4 waits for the move's effect to show.
+    from greyhound.slurm_client import CommandLineClient
+
+    run_dir, client = job
+    partition = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True,
+                               check=True).stdout.split()[0].rstrip("*")
+    nodes = ["n1", "n1", "n2", "n2", "n3", "n3", "n4", "n4"]
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    _board(client, nodes)
+    ranks = {r: {**state, "node": nodes[r]} for r, state in _ranks({}).items()}
+    planner = Planner(client, run_dir, config=PlannerConfig(judge_s=3.0, requeue_hold_s=1.0),
+                      job={"id": "999999", "partition": partition, "num_nodes": 2}, slurm=CommandLineClient())
+    planner.on_verdict(LINK_VERDICT, ranks)
+    planner.poll(ranks)
+    moved = json.loads(client.get(store.PLAN))
+    assert (moved["version"], moved["level"]) == (1, "S3") and planner.s4 is not None
+    client.set(store.TRAINING_APPLIED, json.dumps({"version": 1, "step": 90, "microbatch_split": [8, 8],
+                                                   "placement": moved["placement"]}))
+    client.set(store.TRAINING_RELAID, json.dumps({"version": 1, "step": 90, "pause_s": 0.4, "bytes": 123}))
+    after = ranks if still_slow else {r: {**s, "slow_since": None, "current_s": 0.26} for r, s in ranks.items()}
+    for k in range(4):                                   # relaid, then the judge's polls: the move stays
+        client.set(store.TRAINING_PROGRESS, json.dumps({"step": 91 + 10 * k, "time": 1000.0 + 5 * k}))
+        planner.poll(after)
+        assert json.loads(client.get(store.PLAN))["version"] == 1 and planner.judged is not None
+    planner.poll(after)                                  # judged: kept
+    kinds = [e["kind"] for e in read_events(run_dir)]
+    if not still_slow:
+        assert kinds == ["mitigation", "relaid"] and planner.s4 is None
+        return
+    plan = json.loads(client.get(store.PLAN))
+    assert (plan["version"], plan["level"], plan["checkpoint"]) == (2, "S4", True)
+    assert kinds == ["mitigation", "relaid", "mitigation"] and read_events(run_dir)[-1]["nodes"] == ["n2"]
 
 
 def test_a_compute_straggler_clearly_slow_beside_a_link_gets_s2_once_the_links_move_is_made(job):

@@ -55,7 +55,8 @@ hindsight), a plan asks the training processes for a checkpoint, and when rank 0
 it is saved the master requeues the job without the node (slurm_client's
 requeue_excluding). It does not when the partition would have too few usable nodes
 left for the job (a job excluded from the nodes it needs would wait for ever), when
-the admin or the user turned S4 off, or when the slowdown ends first.
+the admin or the user turned S4 off, or when the slowdown ends first. After an S3 move
+it waits for the move's judge, so the loss is reckoned at the pace the move left.
 """
 
 from __future__ import annotations
@@ -376,7 +377,11 @@ class Planner:
             self._judge(ranks)
         if self.s3 is not None:
             self._s3_poll(ranks)
-        if self.s4 is not None and self.s3 is None:   # the ladder: S3 first where it can help
+        if self.s4 is not None and self.s3 is None and self.judged is None:
+            # The ladder: S3 first where it can help, and S4 once the move's effect shows
+            # (its judge): the loss so far is then reckoned at the pace after the move. On
+            # the local cluster S4 came 2 s after a move, before it could show, when the
+            # loss before it already exceeded the restart's cost.
             self._s4_poll(ranks)
         applied = self._applied()
         if not self.stragglers or int(applied.get("version", 0)) != self.version:
