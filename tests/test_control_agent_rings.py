@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 from hook_support import PYTHON, ROOT, base_env, hook_lib, run
@@ -156,3 +157,41 @@ def test_polls_in_between_join_the_next_regular_polls_window_entry(tmp_path):
         # tens of iterations, not the few of the last 0.1 s.
         assert wall_ns / 20e6 <= iterations <= wall_ns / 4e6, (iterations, wall_ns)
     agent.close()
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed: run scripts/setup")
+def test_a_quiet_plane_gets_news_at_once_and_the_rest_every_few_seconds(tmp_path):
+    import time
+
+    from greyhound.control import store
+    from greyhound.control.agent import AgentConfig
+    from greyhound.control.redis_server import start_redis, stop_redis
+
+    proc, address = start_redis(tmp_path, host="127.0.0.1")
+    try:
+        client = address.client()
+        run([PYTHON, "-c", STAGE_STEPS, "60"], base_env(tmp_path, hook_lib(), PMI_RANK="0", SLURMD_NODENAME="n7"))
+        agent = NodeAgent(tmp_path, "n7", config=AgentConfig(quiet_publish_s=1.0))
+        agent.poll()
+        (rank,) = agent.processes.values()
+
+        def sent() -> bool:
+            """Whether the last publish sent the figures (the agent's heartbeat moved)."""
+            before = client.hget(store.agent_key("n7"), "heartbeat")
+            agent.publish(client)
+            return client.hget(store.agent_key("n7"), "heartbeat") != before
+
+        assert sent() and not agent.quiet                   # the master has not said quiet
+        client.hset(store.PLANE, store.QUIET, 1)
+        assert sent() and agent.quiet                       # read with the figures
+        assert not sent() and not sent()                    # nothing new: only the flag is read
+        rank.republish = True                               # news (a re-numbering)
+        assert sent() and not rank.republish
+        assert not sent()
+        time.sleep(1.0)
+        assert sent()                                       # everything every quiet_publish_s
+        client.hset(store.PLANE, store.QUIET, 0)            # the master opened an episode
+        assert sent() and not agent.quiet                   # the same poll
+        assert sent()
+    finally:
+        stop_redis(proc)

@@ -49,6 +49,7 @@ def test_healthy_job_stays_tracking_with_no_event(job):
         master.step()
     assert master.state == "tracking" and read_events(run_dir) == []
     assert client.hget(store.PLANE, "state") == "tracking"
+    assert client.hget(store.PLANE, store.QUIET) == "1"      # the agents may publish news only
 
 
 def test_a_slow_job_is_profiled_and_the_late_rank_named(job):
@@ -67,7 +68,7 @@ def test_a_slow_job_is_profiled_and_the_late_rank_named(job):
                     planner=Planner())
     publish(client, slow_ranks=range(8), late_rank=5)
     master.step()
-    assert master.state == "profiling"
+    assert master.state == "profiling" and client.hget(store.PLANE, store.QUIET) == "0"
     master.step()
     master.step()
     assert master.state == "tracking"

@@ -444,10 +444,11 @@ def test_s4_waits_for_the_judge_of_s3s_move_and_goes_only_if_the_job_is_still_sl
         client.set(store.TRAINING_PROGRESS, json.dumps({"step": 91 + 10 * k, "time": 1000.0 + 5 * k}))
         planner.poll(after)
         assert json.loads(client.get(store.PLAN))["version"] == 1 and planner.judged is not None
+        assert not planner.idle                          # the agents publish every poll meanwhile
     planner.poll(after)                                  # judged: kept
     kinds = [e["kind"] for e in read_events(run_dir)]
     if not still_slow:
-        assert kinds == ["mitigation", "relaid"] and planner.s4 is None
+        assert kinds == ["mitigation", "relaid"] and planner.s4 is None and planner.idle
         return
     plan = json.loads(client.get(store.PLAN))
     assert (plan["version"], plan["level"], plan["checkpoint"]) == (2, "S4", True)

@@ -13,7 +13,8 @@ Every poll it
    per iteration, for the master's comparison of groups that move the same bytes
    (a collective's duration on the rank that arrives last is its transfer time; on the
    others it includes the wait, so the member with the shortest durations arrives last);
-4. publishes each rank's state and new iteration times (store.py says where).
+4. publishes each rank's state and new iteration times (store.py says where); while
+   the plane is quiet, only what is new (:meth:`NodeAgent.publish`).
 
 It owns nothing in the rings but its read position; the gate belongs to the master's
 pause, which it carries out for the ranks of its node (:meth:`NodeAgent.pause`).
@@ -24,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -64,14 +66,18 @@ class AgentConfig:
     summary_every_s: float = 10.0
     """Seconds between full recomputations of a rank's slow interval and baseline when
     no change point came (a change point recomputes them at once)."""
+    quiet_publish_s: float = 5.0
+    """Seconds between publishes while the plane is quiet (store.QUIET) and this node's
+    ranks have nothing new (:meth:`NodeAgent.publish`): the figures only ``greyhound
+    status`` reads then are at most this old."""
 
     def __post_init__(self) -> None:
         if not 0 < self.poll_s <= 10:
             raise ValueError(f"poll_s={self.poll_s} must be in (0, 10] seconds")
         if not self.watch_poll_s > 0:
             raise ValueError(f"watch_poll_s={self.watch_poll_s} must be > 0 seconds")
-        if not (self.comm_every_s > 0 and self.summary_every_s > 0):
-            raise ValueError("comm_every_s and summary_every_s must be > 0")
+        if not (self.comm_every_s > 0 and self.summary_every_s > 0 and self.quiet_publish_s > 0):
+            raise ValueError("comm_every_s, summary_every_s and quiet_publish_s must be > 0")
         if self.comm_window_iterations < 1:
             raise ValueError(f"comm_window_iterations={self.comm_window_iterations} must be >= 1")
 
@@ -301,6 +307,12 @@ class NodeAgent:
         self._summary_every = polls_in(self.config.summary_every_s, self.config.poll_s)
         self._listed: int | None = None
         """The run dir's mtime (ns) when it was last listed with every ring opened."""
+        self.quiet = False
+        """The master's store.QUIET as last read: nothing waits for this node's figures."""
+        self._published_at = -math.inf
+        """When (monotonic s) the last regular publish went out."""
+        self._comms_at: int | None = None
+        """The regular poll whose publish last carried the comm figures."""
 
     def discover(self) -> None:
         """Opens the rings of this node that appeared since the last call.
@@ -463,11 +475,26 @@ class NodeAgent:
     def publish(self, client, *, between: bool = False) -> None:
         """Each rank's state, new iteration times and (every few polls) comm figures,
         and the agent's heartbeat: one round trip to Redis. ``between``: after a poll
-        in between, the state alone (the regular polls keep their count)."""
+        in between, the state alone (the regular polls keep their count).
+
+        While the master says the plane is quiet (no episode open, no plan watched) and
+        no rank here has news (:meth:`_news`), a regular poll sends only a read of that
+        flag, and everything goes out every ``quiet_publish_s``: a healthy job's
+        figures change by noise from poll to poll, nobody acts on them, and sending
+        them was a third of an agent's CPU. News goes out at once, and every poll
+        while the master profiles, validates or watches a plan."""
+        now = time.monotonic()
         if not between:
             self._polls += 1
-        with_comms = not between and (self._polls % self._comm_every == 1 or self._comm_every == 1)
         refresh = not between and self._polls % self._summary_every == 0
+        if not between and self.quiet and not refresh and not self._news() \
+                and now - self._published_at < self.config.quiet_publish_s:
+            self.quiet = client.hget(store.PLANE, store.QUIET) == "1"
+            if self.quiet:
+                return          # else the master wants the figures again: now
+        with_comms = not between and (self._comms_at is None or self._polls - self._comms_at >= self._comm_every)
+        if with_comms:
+            self._comms_at = self._polls
         pipe = client.pipeline(transaction=False)
         ranks = []
         for proc in self.processes.values():
@@ -500,7 +527,21 @@ class NodeAgent:
             "heartbeat": time.time(), "ranks": store.dumps(sorted(ranks)),
             "cpu_s": time.process_time(), "between_polls": self.between_polls,
         })
-        pipe.execute()
+        pipe.hget(store.PLANE, store.QUIET)
+        self.quiet = pipe.execute()[-1] == "1"
+        if not between:
+            self._published_at = now
+
+    def _news(self) -> bool:
+        """Whether a rank of this node has what the master acts on and it has not seen:
+        a candidate change being weighed, a change point, an open slow interval, a
+        re-numbering, or a rank not published yet."""
+        for proc in self.processes.values():
+            tracker, cached = proc.tracker, proc.summary_cache
+            if proc.republish or tracker.pending_change is not None or cached is None \
+                    or cached[0] != len(tracker.changepoints) or cached[1]["slow_since"] is not None:
+                return True
+        return False
 
     # ---- the pause, carried out on this node's ranks -------------------------------
 

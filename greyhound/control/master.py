@@ -160,7 +160,10 @@ class Master:
         ep = self.episode
         if ep is None:
             if not self._detect(ranks):
-                store.set_plane_state(self.client, self.state)
+                # Nothing open and no plan watched: the agents may publish only what is
+                # new (a candidate change, a change point, a slow interval).
+                store.set_plane_state(self.client, self.state,
+                                      quiet=self.planner is None or self.planner.idle)
             return
         slow = self._slow(ranks)
         if not slow:

@@ -5,7 +5,7 @@ has one writer: the module named beside it; everyone else only reads it.
 
 | key | type | writer | what |
 |---|---|---|---|
-| ``plane`` | hash | master | ``state`` (see STATES), ``since``, ``master_node``, ``nodes`` (JSON list), ``poll_s``, ``heartbeat`` (Unix s) |
+| ``plane`` | hash | master | ``state`` (see STATES), ``since``, ``master_node``, ``nodes`` (JSON list), ``poll_s``, ``heartbeat`` (Unix s), ``quiet`` (1: nothing waits for the agents' figures, see agent.NodeAgent.publish) |
 | ``agent:{node}`` | hash | agent | ``heartbeat``, ``ranks`` (JSON list), ``cpu_s`` (the agent's CPU time), ``between_polls`` (its polls in between) |
 | ``rank:{rank}`` | hash | agent | ``node``, ``pid``, ``period``, ``iterations``, ``current_s``, ``baseline_s``, ``slowdown``, ``slow_since`` (iteration, "" when healthy), ``changepoints`` (JSON list), ``lost``, ``window_s`` (mean iteration time over the comm window; with ``counters``, every few polls), ``compute_share`` (recent fraction of time outside calls), ``compute_s`` and ``compute_base_s`` (seconds an iteration spends outside calls: recently, and before), ``counters`` |
 | ``iters:{rank}`` | list | agent | the last ITERATIONS_KEPT iteration times (s), oldest first (appended every few polls) |
@@ -37,6 +37,8 @@ HEARTBEAT_STALE_S = 10.0
 """A master or agent silent for this long is taken as gone."""
 
 PLANE = "plane"
+QUIET = "quiet"
+"""The field of ``plane`` that lets the agents publish only what is new (see set_plane_state)."""
 SUSPECTS = "suspects"
 VERDICTS = "verdicts"
 PAUSES = "pauses"
@@ -70,14 +72,16 @@ def dumps(value) -> str:
     return json.dumps(value)
 
 
-def set_plane_state(client, state: str, **fields) -> None:
-    """The master's state and fields (``since`` set when the state changes)."""
+def set_plane_state(client, state: str, *, quiet: bool = False, **fields) -> None:
+    """The master's state and fields (``since`` set when the state changes). ``quiet``:
+    the master waits for no agent's figures (see agent.NodeAgent.publish); every other
+    call clears it, so the agents publish every poll again at once."""
     if state not in STATES:
         raise ValueError(f"unknown control-plane state {state!r}; known: {', '.join(STATES)}")
     now = time.time()
     if client.hget(PLANE, "state") != state:
         fields["since"] = now
-    client.hset(PLANE, mapping={"state": state, "heartbeat": now,
+    client.hset(PLANE, mapping={"state": state, "heartbeat": now, QUIET: int(quiet),
                                 **{k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in fields.items()}})
 
 

@@ -231,6 +231,12 @@ class Planner:
         replicas) -> their ``replica``, ``base`` work per iteration and micro-batches
         ``before`` the plan; as the plan was made."""
 
+    @property
+    def idle(self) -> bool:
+        """Nothing in force or pending: no plan watched, no rung waiting for its loss,
+        no move being judged (the agents then need not publish every poll)."""
+        return not (self.stragglers or self.s3 or self.s4 or self.judged) and self.startup_s is not None
+
     def _replicas(self, layout: dict, applied: dict) -> list[list[int]]:
         """The ranks of each replica's stages under the placement in force."""
         return topology.pipelines(topology.placement_now(layout, applied))
