@@ -185,11 +185,14 @@ def test_a_quiet_plane_gets_news_at_once_and_the_rest_every_few_seconds(tmp_path
         client.hset(store.PLANE, store.QUIET, 1)
         assert sent() and agent.quiet                       # read with the figures
         assert not sent() and not sent()                    # nothing new: only the flag is read
+        news = int(client.get(store.NEWS) or 0)
         rank.republish = True                               # news (a re-numbering)
         assert sent() and not rank.republish
+        assert int(client.get(store.NEWS)) == news + 1      # posted for the master
         assert not sent()
         time.sleep(1.0)
-        assert sent()                                       # everything every quiet_publish_s
+        assert sent()                                       # everything every quiet_publish_s,
+        assert int(client.get(store.NEWS)) == news + 1      # which is no news
         client.hset(store.PLANE, store.QUIET, 0)            # the master opened an episode
         assert sent() and not agent.quiet                   # the same poll
         assert sent()

@@ -52,6 +52,27 @@ def test_healthy_job_stays_tracking_with_no_event(job):
     assert client.hget(store.PLANE, store.QUIET) == "1"      # the agents may publish news only
 
 
+@pytest.mark.parametrize("news", [True, False])
+def test_a_quiet_master_reads_the_ranks_again_when_an_agent_posts_news_or_after_a_while(job, news):
+    run_dir, client = job
+    master = Master(run_dir, client, nodes=NODES, config=MasterConfig(quiet_reread_s=3.0))
+    publish(client)
+    master.step()
+    assert client.hget(store.PLANE, store.QUIET) == "1"
+    publish(client, slow_ranks=range(8), late_rank=5)      # the agents' news counter not moved yet
+    beat = client.hget(store.PLANE, "heartbeat")
+    master.step()
+    assert master.state == "tracking" and client.hget(store.PLANE, "heartbeat") != beat   # it beats
+    if news:
+        client.incr(store.NEWS)                            # as an agent does with news
+    else:
+        master.step()
+        master.step()
+        assert master.state == "tracking"
+    master.step()                                          # news, or the third quiet poll past
+    assert master.state == "profiling" and client.hget(store.PLANE, store.QUIET) == "0"
+
+
 def test_a_slow_job_is_profiled_and_the_late_rank_named(job):
     run_dir, client = job
     verdicts = []

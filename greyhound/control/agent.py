@@ -487,7 +487,8 @@ class NodeAgent:
         if not between:
             self._polls += 1
         refresh = not between and self._polls % self._summary_every == 0
-        if not between and self.quiet and not refresh and not self._news() \
+        news = between or self._news()
+        if not between and self.quiet and not refresh and not news \
                 and now - self._published_at < self.config.quiet_publish_s:
             self.quiet = client.hget(store.PLANE, store.QUIET) == "1"
             if self.quiet:
@@ -527,6 +528,8 @@ class NodeAgent:
             "heartbeat": time.time(), "ranks": store.dumps(sorted(ranks)),
             "cpu_s": time.process_time(), "between_polls": self.between_polls,
         })
+        if news:
+            pipe.incr(store.NEWS)
         pipe.hget(store.PLANE, store.QUIET)
         self.quiet = pipe.execute()[-1] == "1"
         if not between:

@@ -70,6 +70,9 @@ class MasterConfig:
     seconds (agent.RECENT_S): a straggler that began a second after the detection (a
     burst of other work on the node just before it, CI) was still below the suspects'
     threshold when profiling settled on the other straggler alone."""
+    quiet_reread_s: float = 10.0
+    """Seconds between reads of every rank's state in a quiet plane with no news
+    (:meth:`Master._nothing_new`)."""
     deepened_restarts: int = 3
     """How often profiling may start over for a deepening slowdown (a slow ramp would
     otherwise keep it profiling)."""
@@ -92,6 +95,8 @@ class MasterConfig:
             raise ValueError(f"validation_rounds={self.validation_rounds} must be >= 1")
         if not self.deepened_ratio > 1:
             raise ValueError(f"deepened_ratio={self.deepened_ratio} must be > 1")
+        if not self.quiet_reread_s > 0:
+            raise ValueError(f"quiet_reread_s={self.quiet_reread_s} must be > 0")
         if self.deepened_restarts < 0:
             raise ValueError(f"deepened_restarts={self.deepened_restarts} must be >= 0")
         if not self.recheck_s > 0:
@@ -142,6 +147,11 @@ class Master:
         self.state = "tracking"
         self.episode: _Episode | None = None
         self._beat = 0.0
+        self._quiet = False
+        """The plane was left quiet (store.QUIET) at the last poll that read the ranks."""
+        self._news_seen: str | None = None
+        self._quiet_polls = 0
+        self._reread_polls = polls_in(self.config.quiet_reread_s, poll_s)
         store.set_plane_state(client, "tracking", master_node=nodes[0], nodes=nodes)
 
     def _event(self, kind: str, **fields) -> None:
@@ -150,10 +160,13 @@ class Master:
 
     def _set(self, state: str) -> None:
         self.state = state
+        self._quiet = False
         store.set_plane_state(self.client, state)
 
     def step(self) -> None:
         """One decision round, after the agents have published this poll."""
+        if self._nothing_new():
+            return
         job = store.read_job(self.client)
         ranks = job["ranks"]
         self._plan("poll", ranks)
@@ -162,8 +175,8 @@ class Master:
             if not self._detect(ranks):
                 # Nothing open and no plan watched: the agents may publish only what is
                 # new (a candidate change, a change point, a slow interval).
-                store.set_plane_state(self.client, self.state,
-                                      quiet=self.planner is None or self.planner.idle)
+                self._quiet = self.planner is None or self.planner.idle
+                store.set_plane_state(self.client, self.state, quiet=self._quiet)
             return
         slow = self._slow(ranks)
         if not slow:
@@ -192,6 +205,21 @@ class Master:
             self._profile_again(ep)
         else:
             store.set_plane_state(self.client, self.state)
+
+    def _nothing_new(self) -> bool:
+        """In a quiet plane (the last poll found nothing open and the planner idle),
+        whether no agent has published news since the ranks were last read: then the
+        poll is only the master's heartbeat. Every ``quiet_reread_s`` they are read
+        anyway. Reading and decoding every rank's state each poll was the master's
+        whole cost beside its node's agent."""
+        if not self._quiet:
+            return False
+        news = store.quiet_beat(self.client)
+        if news == self._news_seen and self._quiet_polls < self._reread_polls:
+            self._quiet_polls += 1
+            return True
+        self._news_seen, self._quiet_polls = news, 0
+        return False
 
     def _inconclusive(self, verdict: dict) -> bool:
         """A verdict that settles nothing: it named nobody, or its validation was asked for

@@ -10,6 +10,7 @@ has one writer: the module named beside it; everyone else only reads it.
 | ``rank:{rank}`` | hash | agent | ``node``, ``pid``, ``period``, ``iterations``, ``current_s``, ``baseline_s``, ``slowdown``, ``slow_since`` (iteration, "" when healthy), ``changepoints`` (JSON list), ``lost``, ``window_s`` (mean iteration time over the comm window; with ``counters``, every few polls), ``compute_share`` (recent fraction of time outside calls), ``compute_s`` and ``compute_base_s`` (seconds an iteration spends outside calls: recently, and before), ``counters`` |
 | ``iters:{rank}`` | list | agent | the last ITERATIONS_KEPT iteration times (s), oldest first (appended every few polls) |
 | ``comms:{rank}`` | hash | agent | comm id -> JSON ``{"bytes_per_iter", "seconds_per_iter", "calls_per_iter", "op"}`` over the recent window |
+| ``news`` | string | agents | a counter each agent increments when it publishes news (agent.NodeAgent._news): a quiet master reads the ranks again only when it moved |
 | ``suspects`` | string | master | JSON list of ``{"kind", "rank", "node", "comm", "why"}`` |
 | ``verdicts`` | list | master | JSON ``{"kind", "rank", "node", "nodes", "severity", "since", "measurements"}`` |
 | ``pauses`` | hash | master | ``count``, ``total_s``, ``last_s`` |
@@ -39,6 +40,7 @@ HEARTBEAT_STALE_S = 10.0
 PLANE = "plane"
 QUIET = "quiet"
 """The field of ``plane`` that lets the agents publish only what is new (see set_plane_state)."""
+NEWS = "news"
 SUSPECTS = "suspects"
 VERDICTS = "verdicts"
 PAUSES = "pauses"
@@ -83,6 +85,15 @@ def set_plane_state(client, state: str, *, quiet: bool = False, **fields) -> Non
         fields["since"] = now
     client.hset(PLANE, mapping={"state": state, "heartbeat": now, QUIET: int(quiet),
                                 **{k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in fields.items()}})
+
+
+def quiet_beat(client) -> str | None:
+    """A quiet master's poll: its heartbeat, and the agents' news counter (``news``),
+    in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hset(PLANE, mapping={"heartbeat": time.time(), QUIET: 1})
+    pipe.get(NEWS)
+    return pipe.execute()[-1]
 
 
 def publish_rank(pipe, rank: int, *, new_times: list[float], fields: dict, restart: bool = False,
