@@ -24,13 +24,14 @@ def job(tmp_path):
     stop_redis(proc)
 
 
-def publish(client, *, slow_ranks=(), slow_since=40, late_rank=None, slowdown=1.5):
-    """Eight ranks (r on node r // 2), DP groups (r, r + 4); late_rank arrives last."""
+def publish(client, *, slow_ranks=(), slow_since=40, late_rank=None, slowdown=1.5, current_s=0.3):
+    """Eight ranks (r on node r // 2), DP groups (r, r + 4); late_rank arrives last; the
+    slow ones at ``current_s`` a step (0.2 healthy)."""
     for r in range(8):
         slow = r in slow_ranks
         pipe = client.pipeline(transaction=False)
-        store.publish_rank(pipe, r, new_times=[0.3 if slow else 0.2], fields={
-            "node": NODES[r // 2], "iterations": 60, "current_s": 0.3 if slow else 0.2, "baseline_s": 0.2,
+        store.publish_rank(pipe, r, new_times=[current_s if slow else 0.2], fields={
+            "node": NODES[r // 2], "iterations": 60, "current_s": current_s if slow else 0.2, "baseline_s": 0.2,
             "slowdown": slowdown if slow else 1.0, "slow_since": slow_since if slow else None,
             "compute_share": 0.9 if r == late_rank else (0.5 if r == (late_rank or 0) - 4 else 0.8),
         })
@@ -297,6 +298,23 @@ def test_a_slowdown_that_deepens_after_an_unknown_verdict_is_examined_again_at_o
     assert [e["verdict"]["kind"] for e in read_events(run_dir) if e["kind"] == "verdict"] == ["unknown"] * 2
     master.step()
     assert master.state == "tracking" and read_events(run_dir)[-1]["kind"] != "reexamining"
+
+
+def test_a_pace_that_deepens_after_an_unknown_verdict_is_examined_again_at_once_whatever_the_ranks_say(job):
+    # A cluster test: the ranks' slowdowns (each its open slow interval's median) still
+    # read a drift's 1.35x 10 s after a CPU quota took the job from 0.35 to 1.4 s a step.
+    run_dir, client = job
+    master = _profiled(job, config=MasterConfig(profile_s=1.0, validation_rounds=1, recheck_s=100.0))
+    master.take_request()
+    master.complete_validation(UNCONFIRMED)
+    publish(client, slow_ranks=range(8), late_rank=5, current_s=0.35)   # profiled at 0.3 s: under a fifth
+    master.step()
+    assert master.state == "tracking"
+    publish(client, slow_ranks=range(8), late_rank=5, current_s=1.2)    # the ranks' slowdowns still 1.5x
+    master.step()
+    assert master.state == "profiling"
+    event = read_events(run_dir)[-1]
+    assert event["kind"] == "reexamining" and event["after_s"] < 5, event
 
 
 def test_costly_rounds_hold_the_next_examination_back_until_the_slowdown_has_paid_for_them(job):

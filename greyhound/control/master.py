@@ -196,7 +196,8 @@ class Master:
             return
         if self.state == "profiling":
             self._profile(ep, ranks)
-        elif ep.verdict is not None and self._inconclusive(ep.verdict) and (why := self._recheck_why(ep, slow)):
+        elif ep.verdict is not None and self._inconclusive(ep.verdict) and \
+                (why := self._recheck_why(ep, slow, job_pace_s(ranks))):
             self._event("reexamining", why=why, after_s=round(time.monotonic() - ep.verdict_at, 2),
                         slowdown=round(_slowdown(slow), 3), rounds_cost_s=round(ep.spent_s, 2))
             # The slowdown examined now is the episode's: a further "unknown" is examined
@@ -228,15 +229,20 @@ class Master:
         ranks were throttled, and the 4x slowdown that followed was never examined."""
         return verdict["kind"] == "unknown" or (self.validate and not verdict["validated"])
 
-    def _recheck_why(self, ep: _Episode, slow: dict) -> str | None:
+    def _recheck_why(self, ep: _Episode, slow: dict, pace_s: float | None) -> str | None:
         """Why an inconclusive verdict's slowdown is examined again now (None: not yet):
         the job slowed a fifth further (a fail-slow on top of what was examined: in a CI
         run a drift's verdict came as two ranks were throttled, and the ski-rental
-        hold-off held their examination back 18 s, most of the throttle), or the hold-off
-        passed."""
+        hold-off held their examination back 18 s, most of the throttle), by the ranks'
+        slowdowns or by the job's pace against its pace when profiling began (a rank's
+        slowdown is its open slow interval's median: a drift's 1.35x still, 10 s after a
+        CPU quota took the job from 0.35 s a step to 1.4 s, and the hold-off kept the
+        throttle's examination back until 2 s before it ended, in a cluster test), or the
+        hold-off passed."""
         slowdown = _slowdown(slow)
         what = "named nobody" if ep.verdict and ep.verdict["kind"] == "unknown" else "could not be validated"
-        if slowdown > self.config.deepened_ratio * ep.slowdown:
+        if slowdown > self.config.deepened_ratio * ep.slowdown or \
+                (pace_s is not None and ep.pace_s is not None and pace_s > self.config.deepened_ratio * ep.pace_s):
             return f"the job slowed further after a verdict that {what}"
         if time.monotonic() - ep.verdict_at >= recheck_after_s(
                 self.config.recheck_s, unknowns=ep.unknowns, spent_s=ep.spent_s, slowdown=slowdown):
