@@ -27,7 +27,7 @@ def start_training(out: Path, *extra: str) -> str:
     env = dict(os.environ, GREYHOUND_REPO=str(REPO), OUT_DIR=str(out))
     proc = subprocess.run(
         ["sbatch", "--parsable", f"--output={out}/job.out", str(REPO / "examples/gpt_hybrid.sbatch"),
-         "--steps", "60", "--trace-every", "1000", *extra],
+         "--steps", "150", "--trace-every", "1000", *extra],
         capture_output=True, text=True, env=env, cwd=out, check=True, timeout=60,
     )
     return proc.stdout.strip().split(";")[0]
@@ -50,6 +50,9 @@ def wait_steps(out: Path, n: int, timeout_s: float = 240) -> int:
 
 def inject_and_measure(out: Path, job_id: str, inject_args: list[str], truth: Path) -> dict[str, float]:
     """Median step time before, during and after an injection of 10 s.
+
+    The job runs 150 steps: at 0.12 s a step (a CI machine) 60 steps ended 1 s before
+    the injection did, with no step after it.
 
     Steps are placed by their wall-clock end (metrics' ``time``) against the truth
     record's start and end: the injector's own start-up and its CPU measurement take a

@@ -44,9 +44,12 @@ def test_a_compute_fail_slow_is_detected_validated_named_and_its_end_seen(unmiti
     named_after = [e["verdict"] for e in events if e["kind"] == "verdict" and e["time"] >= record["start"]
                    and e["verdict"]["kind"] != "unknown"]
     assert "detected" in by_kind and named_after, seen
-    verdict = named_after[0]
-    assert (verdict["kind"], verdict["ranks"], verdict["nodes"]) == ("compute", [5], ["n3"]), seen
-    assert verdict["validated"] is True, seen
+    assert all((v["kind"], v["ranks"], v["nodes"]) == ("compute", [5], ["n3"]) for v in named_after), seen
+    # Validated, if not at the first try: a pause the ranks cannot reach in time names
+    # the straggler from profiling alone, and the master examines again as the job
+    # slows further (CI rehearsal: the quota deepened from 2.3x to 9x as the first
+    # pause was placed; the second round, 13 s later, measured its GEMM at 7.4x).
+    assert any(v["validated"] is True for v in named_after), seen
     # GEMMs of a few ranks sized to 0.2 s (the throttled one slower), P2P of 1 MiB: seconds.
     assert 0 < by_kind["paused"]["seconds"] < 30, by_kind["paused"]
     # Steps the job finished between the onset and the detection (scripts/bench_online
@@ -102,7 +105,9 @@ def test_killing_the_master_while_the_job_is_paused_changes_nothing_in_the_job(c
     # as a run without greyhound.
     from greyhound.ring import RingReader, ring_paths
 
-    steps, timeout_s = 100, 8      # the pause came at step 60 on the local cluster
+    # The pause came at step 60 in a run at 0.3 s a step; at 0.13 s a step (a faster
+    # CI machine) the plane was tracking only by step 80, and 100 steps ended first.
+    steps, timeout_s = 240, 8
     job = submit(tmp_path / "out", steps, env={"GREYHOUND_PAUSE_TIMEOUT_S": str(timeout_s)})
     wait_tracking(job.job_id)
     run_dir = RUN_DIR_BASE / job.job_id

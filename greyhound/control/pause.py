@@ -35,6 +35,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PARK_TIMEOUT_MIN_S = 10.0
+PARK_STALL_S = 5.0
+PARK_CAP_S = 30.0
+"""The wait for the ranks to park outlasts the planned deadline while the ranks not
+yet parked keep making calls (none for PARK_STALL_S: given up), up to PARK_CAP_S after
+the planned moment and half the gate's own timeout: the first ranks to park must still
+be held when the tests start. A deadline from the ranks' recent iteration times fell
+short of a fail-slow that deepened as the pause was placed (CI rehearsal: a CPU quota
+took rank 5 from 2.3x to 9x its work, and it was 29 calls short of its gate after
+12.7 s; the job waits for that rank anyway, parked or not)."""
 BENCH_TIMEOUT_S = 10.0
 PROBES = 3
 GEMM_ROUNDS = 2
@@ -93,24 +102,13 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat, s
         return {"paused": False, "held_nobody": True,
                 "why": f"the trackers of ranks {unplaced} cannot place the pause iteration "
                        "(no period locked yet)"} if root else None
+    gate_s = min(t for ts in comm.allgather([p.reader.info.pause_timeout_s for p in local.values()]) for t in ts)
     for rank, proc in local.items():
         proc.reader.pause(at_call=targets[rank])
     t_pause = time.time()
-    while True:
-        # Parked where asked: a rank that had already passed its call parks at a later
-        # one, out of step with the others, and the round must not count it.
-        mine = all(proc.reader.parked_at_call == targets[rank] for rank, proc in local.items())
-        # Waited for without spinning: two blocking allreduces here had the plane's
-        # ranks poll Open MPI in a busy loop all through the lead (seconds), and on
-        # cores the job shares its steps ran 0.5 s instead of 0.3 s while it was being
-        # parked. One exchange a cycle; every rank decides on the same list.
-        states = mpi_wait.allgather(comm, (mine, time.time() > plan["deadline_s"] or stopped()), beat=beat)
-        everyone = all(parked for parked, _ in states)
-        late = any(over for _, over in states)
-        if everyone or late:
-            break
-        beat()
-        time.sleep(0.02)
+    everyone = _wait_parked(comm, local, targets, beat=beat, stopped=stopped,
+                            deadline_s=plan["deadline_s"],
+                            cap_s=max(plan["deadline_s"], plan["at_s"] + min(PARK_CAP_S, gate_s / 2)))
     t_parked = time.time()
     if not everyone:
         where = {r: {"target": t, "parked_at": local[r].reader.parked_at_call, "calls": local[r].reader.calls}
@@ -132,6 +130,35 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat, s
     results += validate.judge_links(slow, suspect_nodes=[tuple(n) for n in request["link_suspects"]])
     return {"paused": True, "pause_s": round(t_resumed - t_parked, 3), "park_s": round(t_parked - t_pause, 3),
             "gemm": gemm, "bandwidth_Bps": bandwidth, "slow_links": slow, "results": results}
+
+
+def _wait_parked(comm, local: dict, targets: dict, *, beat, stopped, deadline_s: float,
+                 cap_s: float) -> bool:
+    """Waits until every rank is parked at its target call; False when given up: past
+    ``deadline_s`` with no call made by the ranks still on their way for PARK_STALL_S
+    (past ``cap_s`` in any case), or the job is ending."""
+    calls, progress_s = None, time.time()
+    while True:
+        # Parked where asked: a rank that had already passed its call parks at a later
+        # one, out of step with the others, and the round must not count it.
+        mine = all(proc.reader.parked_at_call == targets[rank] for rank, proc in local.items())
+        moving = sum(proc.reader.calls for proc in local.values() if proc.reader.parked_at_call is None)
+        # Waited for without spinning: two blocking allreduces here had the plane's
+        # ranks poll Open MPI in a busy loop all through the lead (seconds), and on
+        # cores the job shares its steps ran 0.5 s instead of 0.3 s while it was being
+        # parked. One exchange a cycle; every agent decides on the same list.
+        states = mpi_wait.allgather(comm, (mine, moving, time.time(), stopped()), beat=beat)
+        if all(parked for parked, *_ in states):
+            return True
+        now = max(t for _, _, t, _ in states)
+        moved = [n for _, n, _, _ in states]
+        if moved != calls:
+            calls, progress_s = moved, now
+        if any(ending for *_, ending in states) or now > cap_s or (
+                now > deadline_s and now - progress_s > PARK_STALL_S):
+            return False
+        beat()
+        time.sleep(0.02)
 
 
 def _target(proc: _Process, clock: validate.RankClock | None, plan: dict) -> int | None:
