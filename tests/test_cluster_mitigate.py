@@ -84,7 +84,7 @@ def test_two_stragglers_in_two_stages_of_a_job_that_cannot_re_split_are_consolid
     # between the ranks that swap stages, in memory (and back, if the move is undone);
     # the losses are those of the job left alone.
     extra = ("--global-microbatches", "8", "--microbatch-multiple", "4")
-    steps = 220         # 4 + 4 micro-batches: steps half as long as INJECTED_STEPS were sized for
+    steps = 360         # 4 + 4 micro-batches: steps half as long as INJECTED_STEPS were sized for
     out = tmp_path / "out"
     job = submit(out, steps, *extra, greyhound="mitigate")
     wait_tracking(job.job_id)

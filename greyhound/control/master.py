@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +111,8 @@ class _Episode:
     detected_s: float
     votes: Counter = dataclasses.field(default_factory=Counter)
     settled: list = dataclasses.field(default_factory=list)
+    runners_up: list = dataclasses.field(default_factory=list)
+    """Compute suspects of a minority of the polls: GEMM-tested beside the settled ones."""
     suspects: dict = dataclasses.field(default_factory=dict)
     polls: int = 0
     pace_s: float | None = None
@@ -282,7 +285,7 @@ class Master:
     def _profile_again(self, ep: _Episode) -> None:
         ep.votes.clear()
         ep.suspects.clear()
-        ep.settled, ep.polls, ep.pace_s = [], 0, None
+        ep.settled, ep.runners_up, ep.polls, ep.pace_s = [], [], 0, None
         self._set("profiling")
 
     def _profile(self, ep: _Episode, ranks: dict) -> None:
@@ -314,14 +317,21 @@ class Master:
         if ep.polls < self._profile_polls:
             return
         settled = [ep.suspects[k] for k, n in ep.votes.most_common() if n * 2 > ep.polls]
-        ep.settled = settled
+        # A compute suspect of fewer polls is tested too (one GEMM more), not named
+        # unless its GEMM is slow: of two stragglers throttled at once, profiling
+        # settled on one, and the other went unnamed (CI rehearsal, twice).
+        runners_up = [ep.suspects[k] for k, n in ep.votes.most_common() if n * 2 <= ep.polls and k[0] == "compute"]
+        ep.settled, ep.runners_up = settled, runners_up
         ep.ranks = ranks
-        self._event("suspects", suspects=[s.as_dict() for s in settled], polls=ep.polls)
+        # Every rank's rise in the last poll: what the suspects were picked from.
+        rises = {r: round(v, 2) for r, v in sorted(_compute_rise(ranks).items())}
+        self._event("suspects", suspects=[s.as_dict() for s in settled], polls=ep.polls, rises=rises,
+                    **({"runners_up": [s.as_dict() for s in runners_up]} if runners_up else {}))
         self._set("validating")
         if not self.validate:
             self.complete_validation(None)
             return
-        compute = [s.ranks[0] for s in settled if s.kind == "compute"]
+        compute = [s.ranks[0] for s in settled + runners_up if s.kind == "compute"]
         groups: dict[str, list[int]] = {}
         for rank, comms in store.read_comm_stats(self.client, ranks).items():
             for comm in comms:
@@ -383,7 +393,7 @@ class Master:
             self._event("paused", seconds=outcome["pause_s"], park_s=outcome["park_s"])
             ep.spent_s += float(outcome["pause_s"]) + float(outcome["park_s"])
             results = outcome["results"]
-        verdict = _verdict(ep.settled, results, ep, outcome)
+        verdict = _verdict(ep.settled, results, ep, outcome, runners_up=ep.runners_up)
         again = results is not None and verdict["kind"] == "unknown" and ep.rounds < self.config.validation_rounds
         if outcome is not None:
             self._event("validated", **{k: v for k, v in outcome.items() if k != "results"}, results=results,
@@ -428,7 +438,8 @@ def recheck_after_s(recheck_s: float, *, unknowns: int, spent_s: float, slowdown
     return max(recheck_s * 2 ** (max(unknowns, 1) - 1), paid_back_s)
 
 
-def _verdict(suspects: list[Suspect], results: list[dict] | None, ep: _Episode, outcome: dict | None) -> dict:
+def _verdict(suspects: list[Suspect], results: list[dict] | None, ep: _Episode, outcome: dict | None, *,
+             runners_up: Sequence[Suspect] = ()) -> dict:
     """The fail-slow named. Every finding the validation confirmed (a suspect whose
     test came out slow, or slow links the P2P tests found on their own) has a strength,
     how far its measurement is off: a GEMM's time over the references', a link's median
@@ -436,13 +447,15 @@ def _verdict(suspects: list[Suspect], results: list[dict] | None, ep: _Episode, 
     (a compound fail-slow): a link narrowed to 1% also slows the GEMM of a rank whose
     transfers over it are held at the pause (measured 1.9x once), and must not be
     named a compute straggler for it. With nothing confirmed, the best suspect, marked
-    as unconfirmed."""
+    as unconfirmed (never a runner-up: ``runners_up`` count only where their test
+    confirmed them)."""
     base = {"severity": round(ep.slowdown, 3), "since": ep.onset, "validated": results is not None,
             "detected_at": round(ep.detected_s, 3)}
     bandwidth = [float(b) for b in ((outcome or {}).get("bandwidth_Bps") or {}).values()]
     if bandwidth:      # the healthy scale of the job's links, for S3's cost model
         base["link_bandwidth_Bps"] = float(np.median(bandwidth))
-    findings = _findings(suspects, results, (outcome or {}).get("slow_links") or []) if results is not None else []
+    findings = (_findings([*suspects, *runners_up], results, (outcome or {}).get("slow_links") or [])
+                if results is not None else [])
     if findings:
         findings.sort(key=lambda f: -f["strength"])
         also = [{k: f[k] for k in ("kind", "where", "ranks", "nodes", "strength", "slowness") if k in f}
