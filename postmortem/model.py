@@ -345,15 +345,22 @@ def _dense_cells(rows: _Rows, cell: np.ndarray, *, shape: tuple[int, int, int]
 def _whole_steps(observed: _Observed, *, num_stages: int, where: str) -> _Kept:
     """The template ops of the job's usual program, and the steps that run it whole.
 
-    An op is expected on a DP rank when at least half the undamaged steps have it
-    there; a step whose ops differ from the expected ones (truncated, an unmatched p2p)
-    is dropped, like a step with a damaged row.
+    The usual program is the set of (op, DP rank) most undamaged steps run, the
+    earliest of equals (the job's own micro-batch split before a plan changed it); a
+    step whose ops differ from it (truncated, an unmatched p2p, another split) is
+    dropped, like a step with a damaged row. An op expected wherever half the steps
+    had it mixed two programs when a plan split the traced steps evenly (the demo: 11
+    steps on 8,8 and 11 on S2's 10,6 gave replica 0 the ops of 10 micro-batches and
+    replica 1 those of 8, a program no step ran, and no post-mortem).
     """
     traced, D = observed.traced, observed.traced.shape[1]
     notes = observed.notes
     usable = ~observed.damaged_step
-    frac = traced[:, :, usable].mean(axis=2) if usable.any() else np.zeros(traced.shape[:2])
-    expected = frac >= 0.5  # (n_t, D)
+    expected = np.zeros(traced.shape[:2], bool)  # (n_t, D)
+    if usable.any():
+        programs, first, counts = np.unique(traced[:, :, usable].reshape(-1, int(usable.sum())).T, axis=0,
+                                            return_index=True, return_counts=True)
+        expected = programs[np.lexsort((first, -counts))[0]].reshape(traced.shape[:2])
     mismatch = (traced != expected[:, :, None]).any(axis=(0, 1))
     # a damaged step misses its damaged rows: it is already in the damaged-rows note
     mismatched = mismatch & usable

@@ -204,3 +204,12 @@ def test_the_reference_jobs_trace_under_s2s_plan_is_analysed():
     # the replay of the real durations gives the real step times back
     assert abs(report["simulation_error"]) < 0.05, report["simulation_error"]
     assert report["slowdown"] > 1.5        # rank 5 ran at a quarter of its CPU throughout
+
+
+def test_a_trace_split_evenly_between_two_micro_batch_splits_keeps_the_first():
+    # The demo: S2's plan came half way through the traced steps (11 on 8,8, then 11 on
+    # 10,6). Expecting every op that half the steps had mixed both programs, no step
+    # matched, and the job had no post-mortem.
+    m = build_model(_uneven_trace(even_steps=3, uneven_steps=3))
+    assert m.steps.tolist() == [0, 1, 2]
+    assert len(m.dropped) == 1 and m.dropped[0].endswith("dropped: steps 3, 4, 5"), m.dropped
