@@ -622,3 +622,17 @@ def test_a_straggler_whose_work_fell_is_taken_at_how_long_it_waits_for_a_cpu(job
     planner = Planner(client, run_dir)
     planner.on_verdict(verdict, ranks)
     assert planner.stragglers == {5: 3.0}
+
+
+def test_a_lone_straggler_is_at_least_as_slow_as_the_job_it_slows(job):
+    # CI rehearsal: a CPU quota on rank 5, the job 3.99x slower, the rank's own figures
+    # 1.61x (its stops fell inside its calls); S2 split 10,6 for 1.61x and gained 5%.
+    run_dir, client = job
+    client.set(store.TRAINING_LAYOUT, json.dumps({"microbatch_split": [8, 8], "replicas": REPLICAS}))
+    for verdict, taken in (({**VERDICT, "severity": 4.0}, 4.0),          # the job's 4x, not its own 3x
+                           ({**VERDICT, "severity": 12.0}, 8.0),         # at most its GEMM's 8x
+                           ({**VERDICT, "severity": 2.0}, 3.0)):         # its own 3x over the job's 2x
+        planner = Planner(client, run_dir)
+        planner.on_verdict(verdict, _ranks({5: 0.15}))
+        assert planner.stragglers == {5: taken}, verdict
+        client.delete(store.PLAN)

@@ -728,7 +728,8 @@ def _compute_findings(verdict: dict, ranks: dict) -> dict[int, float]:
     work per iteration now over before (profiling's rise, against the rank itself: the
     rise over the median rank's read 30x once, when the others' work fell) or its share
     of time with a CPU then over now, whichever says more (:func:`_own_slowness`), or the
-    job's slowdown where the rank has no figure from before, at most its GEMM's ratio.
+    job's slowdown where the rank has no figure from before, at most its GEMM's ratio;
+    the lead of a verdict that names no other finding at least the job's slowdown.
     Beside a link lead, a compute finding counts only with a GEMM of at least
     ``BESIDE_LINK_GEMM_MIN`` and a rise of its own: a link at 1% of its bandwidth slows
     the GEMM of a rank whose transfers it holds (measured 1.9x and 2.2x), and the job's
@@ -765,6 +766,13 @@ def _compute_findings(verdict: dict, ranks: dict) -> dict[int, float]:
             if finding is not verdict and gemm < UNMEASURED_GEMM_MIN:
                 continue
             rise = float(verdict.get("severity") or 1.0)
+        if finding is verdict and not verdict.get("also"):
+            # The one straggler of a job slows it at most as much as it is slowed
+            # itself: the job's slowdown is a floor for its own (CI rehearsal: a CPU
+            # quota, the job 3.99x slower, the rank's own figures 1.61x as its stops
+            # fell inside calls; S2 split 10,6 for 1.61x and the job ran 0.436 s a
+            # step against 0.460 s with nothing done).
+            rise = max(rise, float(verdict.get("severity") or 1.0))
         slowness = min(rise, gemm)
         if slowness > 1:
             out[rank] = round(slowness, 3)
