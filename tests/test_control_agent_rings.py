@@ -170,22 +170,27 @@ def test_a_quiet_plane_gets_news_at_once_and_the_rest_every_few_seconds(tmp_path
     proc, address = start_redis(tmp_path, host="127.0.0.1")
     try:
         client = address.client()
-        # A run whose rank has no news of its own: on a loaded machine the detector of
-        # a run of 4 ms steps can end it weighing a candidate change, which is news at
-        # every publish (CI; here 1 run in 6 beside 4 busy loops). Up to three runs,
-        # each in a run dir of its own.
+        # A run whose rank has no news of its own. STAGE_STEPS's 4 ms steps, which
+        # change shape at step 30, ended with the detector weighing a candidate change
+        # (news at every publish) here in 1 run in 6 beside 4 busy loops, and in all
+        # three runs of a CI rehearsal: steady steps of 30 ms, where a millisecond of
+        # jitter is no change, and up to three runs, each in a run dir of its own.
+        steady = STAGE_STEPS.replace("2 if step < 30 else 4", "2").replace("time.sleep(0.004)", "time.sleep(0.03)")
         for attempt in range(3):
             run_dir = tmp_path / f"run{attempt}"
             run_dir.mkdir()
-            run([PYTHON, "-c", STAGE_STEPS, "60"], base_env(run_dir, hook_lib(), PMI_RANK="0", SLURMD_NODENAME="n7"))
+            run([PYTHON, "-c", steady, "60"], base_env(run_dir, hook_lib(), PMI_RANK="0", SLURMD_NODENAME="n7"))
             agent = NodeAgent(run_dir, "n7", config=AgentConfig(quiet_publish_s=2.0))
             agent.poll()
             agent.publish(client)
             if not agent._news():
                 break
+            (proc,) = agent.processes.values()
+            news = {"pending_change": proc.tracker.pending_change, "changepoints": len(proc.tracker.changepoints),
+                    "slow_since": (proc.summary_cache or (0, {}))[1].get("slow_since")}
             agent.close()
         else:
-            raise AssertionError("each of 3 runs left its rank with news (a slow interval open, a change weighed)")
+            raise AssertionError(f"each of 3 runs left its rank with news; the last: {news}")
         (rank,) = agent.processes.values()
 
         def sent() -> bool:
