@@ -308,10 +308,11 @@ class Master:
             self._profile_again(ep)
             ep.pace_s = pace_s
         stats = store.read_comm_stats(self.client, ranks)
+        compute_rise = _compute_rise(ranks)
         suspects = find_suspects(stats, rank_nodes={r: s.get("node", "?") for r, s in ranks.items()},
                                  compute_share={r: float(s["compute_share"]) for r, s in ranks.items()
                                                 if s.get("compute_share") not in (None, "")},
-                                 compute_rise=_compute_rise(ranks), cpu_wait=_cpu_wait(ranks))
+                                 compute_rise=compute_rise, cpu_wait=_cpu_wait(ranks))
         ep.polls += 1
         for s in suspects:
             key = (s.kind, s.ranks if s.kind == "compute" else s.nodes)
@@ -326,12 +327,13 @@ class Master:
         # settled on one, and the other went unnamed (CI rehearsal, twice).
         # At most RUNNERS_UP, most voted first, then by rise: on this VM's noise a single
         # straggler's run had four, and its pause took 5.1 s instead of 3-3.7 s.
-        runners_up = sorted((ep.suspects[k] for k, n in ep.votes.items() if n * 2 <= ep.polls and k[0] == "compute"),
-                            key=lambda s: (-ep.votes[("compute", s.ranks)], -s.score))[:RUNNERS_UP]
+        minority = sorted(((n, ep.suspects[k]) for k, n in ep.votes.items() if n * 2 <= ep.polls and k[0] == "compute"),
+                          key=lambda vote: (-vote[0], -vote[1].score))
+        runners_up = [s for _, s in minority[:RUNNERS_UP]]
         ep.settled, ep.runners_up = settled, runners_up
         ep.ranks = ranks
         # Every rank's rise in the last poll: what the suspects were picked from.
-        rises = {r: round(v, 2) for r, v in sorted(_compute_rise(ranks).items())}
+        rises = {r: round(v, 2) for r, v in sorted(compute_rise.items())}
         self._event("suspects", suspects=[s.as_dict() for s in settled], polls=ep.polls, rises=rises,
                     **({"runners_up": [s.as_dict() for s in runners_up]} if runners_up else {}))
         self._set("validating")

@@ -22,6 +22,7 @@ Whatever fails, every gate this agent set is cleared before it returns.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -102,7 +103,9 @@ def _round(comm, agent, local: dict, request: dict, *, nodes: list[str], beat, s
         return {"paused": False, "held_nobody": True,
                 "why": f"the trackers of ranks {unplaced} cannot place the pause iteration "
                        "(no period locked yet)"} if root else None
-    gate_s = min(t for ts in comm.allgather([p.reader.info.pause_timeout_s for p in local.values()]) for t in ts)
+    # The shortest gate timeout of the job's ranks (none: no rank to hold, no bound).
+    gate_s = min((t for ts in comm.allgather([p.reader.info.pause_timeout_s for p in local.values()]) for t in ts),
+                 default=math.inf)
     for rank, proc in local.items():
         proc.reader.pause(at_call=targets[rank])
     t_pause = time.time()

@@ -741,6 +741,7 @@ def _compute_findings(verdict: dict, ranks: dict) -> dict[int, float]:
         findings = [f for f in verdict.get("also", []) if float(f.get("strength") or 1.0) >= BESIDE_LINK_GEMM_MIN]
     else:
         return {}
+    job_slowdown = float(verdict.get("severity") or 1.0)
     out = {}
     for finding in findings:
         if finding.get("kind") != "compute" or len(finding.get("ranks", [])) != 1:
@@ -765,14 +766,14 @@ def _compute_findings(verdict: dict, ranks: dict) -> dict[int, float]:
             # fail-slow (the healthy rank never "recovered").
             if finding is not verdict and gemm < UNMEASURED_GEMM_MIN:
                 continue
-            rise = float(verdict.get("severity") or 1.0)
+            rise = job_slowdown
         if finding is verdict and not verdict.get("also"):
             # The one straggler of a job slows it at most as much as it is slowed
             # itself: the job's slowdown is a floor for its own (CI rehearsal: a CPU
             # quota, the job 3.99x slower, the rank's own figures 1.61x as its stops
             # fell inside calls; S2 split 10,6 for 1.61x and the job ran 0.436 s a
             # step against 0.460 s with nothing done).
-            rise = max(rise, float(verdict.get("severity") or 1.0))
+            rise = max(rise, job_slowdown)
         slowness = min(rise, gemm)
         if slowness > 1:
             out[rank] = round(slowness, 3)
