@@ -185,12 +185,12 @@ def test_a_quiet_plane_gets_news_at_once_and_the_rest_every_few_seconds(tmp_path
             agent.publish(client)
             if not agent._news():
                 break
-            (proc,) = agent.processes.values()
-            news = {"pending_change": proc.tracker.pending_change, "changepoints": len(proc.tracker.changepoints),
-                    "slow_since": (proc.summary_cache or (0, {}))[1].get("slow_since")}
+            (kept,) = agent.processes.values()      # not `proc`: that is the Redis server stopped below
+            had = {"pending_change": kept.tracker.pending_change, "changepoints": len(kept.tracker.changepoints),
+                   "slow_since": (kept.summary_cache or (0, {}))[1].get("slow_since")}
             agent.close()
         else:
-            raise AssertionError(f"each of 3 runs left its rank with news; the last: {news}")
+            raise AssertionError(f"each of 3 runs left its rank with news; the last: {had}")
         (rank,) = agent.processes.values()
 
         def sent() -> bool:
