@@ -36,6 +36,27 @@ def test_consecutive_slow_regimes_merge_and_benign_shift_moves_healthy():
     assert interval.slowdown == pytest.approx(np.median([1.3] * 4 + [1.6] * 4) / 1.05)
 
 
+def test_a_slowdown_that_fades_without_a_change_point_ends_where_it_is_gone():
+    # A VM drift: 1.17x for 60 iterations, easing back to 1.0 over 40 with no change
+    # point, then 400 healthy ones. The regime's level (its first 50) is 1.17x: before,
+    # the interval stayed open to the end (slowdown 1.009x on the local cluster).
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.full(100, 1.0), np.full(60, 1.17), np.linspace(1.17, 1.0, 40), np.full(400, 1.0)])
+    x = x * (1 + 0.02 * rng.standard_normal(len(x)))
+    (interval,) = slow_intervals(x, [_cp(100)])
+    assert interval.start_index == 100
+    # Windows of 50, 25 apart: the first whose median is under the hold level (1.05x).
+    assert interval.end_index is not None and 150 <= interval.end_index <= 200
+    assert interval.slowdown > 1.1
+
+
+def test_a_lasting_slowdown_does_not_fade():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([np.full(100, 1.0), np.full(2000, 1.12)]) * (1 + 0.05 * rng.standard_normal(2100))
+    (interval,) = slow_intervals(x, [_cp(100)])
+    assert (interval.start_index, interval.end_index) == (100, None)
+
+
 def test_small_rise_is_not_slow():
     x = np.array([1.0] * 5 + [1.08] * 5)
     assert slow_intervals(x, [_cp(5)], min_reference=5) == []
