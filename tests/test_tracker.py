@@ -687,6 +687,36 @@ def test_comm_times_exact_on_tiny_records():
     assert arrivals["t_start_ns"][2] == 2_000_000_000
 
 
+def test_a_device_time_wins_over_the_wait_in_either_order_and_across_batches():
+    # Period 2 (AllReduce on comm A; an async Send on comm B and its WAIT), 20 iterations.
+    # Device times (DONE) of three Sends: iteration 4's before its WAIT, 6's after it
+    # (in the same batch), 8's in the batch before its WAIT.
+    recs, sends, dones = [], {}, {}
+    for k in range(20):
+        base = 1_000_000_000 * (k + 1)
+        recs.append(_record(0, "AllReduce", base, base + 100_000, comm=0xA, size=64))
+        sends[k] = _record(0, "Send", base + 500_000, base + 501_000, comm=0xB, size=32, flags=ring.F_ASYNC,
+                           req=k + 1)
+        recs.append(sends[k])
+        wait = _record(0, "Wait", base + 800_000, base + 900_000, req=k + 1)
+        dones[k] = _record(0, "Done", base, base + 7_000, flags=ring.F_DEVICE_TIMED)
+        recs += {4: [dones[k], wait], 6: [wait, dones[k]], 8: [dones[k], wait]}.get(k, [wait])
+    for seq, r in enumerate(recs, start=1):
+        r["seq"] = seq
+    for k, done in dones.items():
+        done["req_id"] = sends[k]["seq"]      # a DONE names its call by sequence number
+    cut = next(i for i, r in enumerate(recs) if r is dones[8]) + 1
+    tracker = RankTracker()
+    tracker.feed(np.concatenate(recs[:cut]))
+    tracker.feed(np.concatenate(recs[cut:]))
+    tracker.finish()
+    b = tracker.comm_times(0, 19)
+    b = b[b["comm_id"] == 0xB]
+    expected = np.full(20, 400e-6)
+    expected[[4, 6, 8]] = 7e-6
+    np.testing.assert_allclose(b["seconds"], expected)
+
+
 def test_collectives_are_numbered_apart_from_point_to_point_calls_on_the_same_communicator():
     # A pipeline stage on the default group: one plan broadcast a step, then its
     # sends, 3 a step and later 5 (a new micro-batch split). The n-th broadcast is the
