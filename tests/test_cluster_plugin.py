@@ -253,7 +253,9 @@ def test_srun_and_salloc_take_the_option_too(cluster):
     )
     assert srun.returncode == 0, srun.stderr
     lines = task_lines(srun.stdout)
-    assert len(lines) == 2 and {t["node"] for t in lines} == {"n1", "n2"}
+    # Two tasks on two nodes, wherever Slurm put them: a job of an earlier test may
+    # still hold n1 and n2 as it completes (a CI rehearsal got n3 and n4).
+    assert len(lines) == 2 and len({t["node"] for t in lines}) == 2
     assert all(t["mode"] == "mitigate" and t["ld_preload"].split(":")[0] == str(HOOK) for t in lines)
     salloc = subprocess.run(
         ["salloc", "--nodes=1", "--greyhound=detect", "srun", "/bin/bash", "-c", REPORT_ENV, "salloc"],
