@@ -22,7 +22,7 @@ from greyhound.analytics.period import (
 )
 from greyhound.analytics.scenarios import labelled_set, render_calls, ring_records
 from greyhound.analytics.synthetic import CallTrace, FailSlow, call_trace
-from greyhound.analytics.tracker import ARRIVAL_DTYPE, COMM_TIME_DTYPE, RankTracker
+from greyhound.analytics.tracker import ARRIVAL_DTYPE, COMM_TIME_DTYPE, RankTracker, TrackerConfig
 from greyhound.cli import main
 from greyhound.detect_cli import read_detect_input
 
@@ -687,7 +687,8 @@ def test_comm_times_exact_on_tiny_records():
     assert arrivals["t_start_ns"][2] == 2_000_000_000
 
 
-def test_a_device_time_wins_over_the_wait_in_either_order_and_across_batches():
+@pytest.mark.parametrize("settle_records", [1, 1 << 14])
+def test_a_device_time_wins_over_the_wait_in_either_order_and_across_batches(settle_records):
     # Period 2 (AllReduce on comm A; an async Send on comm B and its WAIT), 20 iterations.
     # Device times (DONE) of three Sends: iteration 4's before its WAIT, 6's after it
     # (in the same batch), 8's in the batch before its WAIT.
@@ -706,7 +707,7 @@ def test_a_device_time_wins_over_the_wait_in_either_order_and_across_batches():
     for k, done in dones.items():
         done["req_id"] = sends[k]["seq"]      # a DONE names its call by sequence number
     cut = next(i for i, r in enumerate(recs) if r is dones[8]) + 1
-    tracker = RankTracker()
+    tracker = RankTracker(config=TrackerConfig(settle_records=settle_records))
     tracker.feed(np.concatenate(recs[:cut]))
     tracker.feed(np.concatenate(recs[cut:]))
     tracker.finish()
@@ -715,6 +716,28 @@ def test_a_device_time_wins_over_the_wait_in_either_order_and_across_batches():
     expected = np.full(20, 400e-6)
     expected[[4, 6, 8]] = 7e-6
     np.testing.assert_allclose(b["seconds"], expected)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_call_table_filed_later_equals_the_table_filed_batch_by_batch(seed):
+    # The tracker files a poll's calls when arrivals are read or settle_records have
+    # come: whenever that is, the table is the one filed as each batch came.
+    rng = np.random.default_rng(300 + seed)
+    x = 0.2 * (1 + 0.03 * rng.standard_normal(200))
+    records = _records(x, seed=seed, layout="hybrid", async_fraction=0.5)
+    at_once = RankTracker(config=TrackerConfig(settle_records=1))
+    later = RankTracker(config=TrackerConfig(settle_records=int(rng.integers(500, 5000)), history_calls=4000))
+    bounds = [0, *np.sort(rng.integers(0, len(records) + 1, 80)).tolist(), len(records)]
+    for lo, hi in zip(bounds, bounds[1:]):
+        at_once.feed(records[lo:hi])
+        later.feed(records[lo:hi])
+        if rng.random() < 0.1:                  # a read now and then, as the agent's
+            later.arrivals(last_calls=100)
+    a = at_once.arrivals()[-4000:]
+    b = later.arrivals()
+    assert len(b) == 4000 and np.isfinite(a["seconds"]).mean() > 0.9
+    for name in ARRIVAL_DTYPE.names:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
 def test_collectives_are_numbered_apart_from_point_to_point_calls_on_the_same_communicator():

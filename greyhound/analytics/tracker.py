@@ -63,7 +63,6 @@ from greyhound.ring import COLLECTIVE_OPS, F_ASYNC, F_DEVICE_TIMED, IS_CALL, OP,
 __all__ = ["TrackerConfig", "TrackerUpdate", "RankTracker", "ARRIVAL_DTYPE", "COMM_TIME_DTYPE"]
 
 _WAIT, _DONE = OP["Wait"], OP["Done"]
-_IS_WAIT_OR_DONE = op_mask((_WAIT, _DONE))
 _IS_COLLECTIVE = op_mask(COLLECTIVE_OPS)
 _NEEDED = ("seq", "t_start_ns", "t_end_ns", "size_bytes", "comm_id", "req_id", "op", "flags")
 
@@ -104,10 +103,15 @@ class TrackerConfig:
     """BOCD+V verification (default :class:`~greyhound.analytics.verify.VerifyConfig`)."""
     history_calls: int = 1 << 17
     """Calls whose arrival and duration are kept (the newest)."""
+    settle_records: int = 1 << 14
+    """Records fed (kept as they came) at most before the call table is brought up to
+    date; reading arrivals or comm times brings it up to date at once."""
 
     def __post_init__(self) -> None:
         if self.history_calls < 1:
             raise ValueError(f"history_calls must be >= 1, got {self.history_calls!r}")
+        if self.settle_records < 1:
+            raise ValueError(f"settle_records must be >= 1, got {self.settle_records!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -175,6 +179,10 @@ class RankTracker:
         self._async: dict[int, int] = {}  # req_id -> call index (unfinished async calls)
         self._finished = False
         self._holds: list[tuple[float, float]] = []  # (start, end) s, not yet behind the fed iterations
+        # (index of the first call, calls, other records) of the batches fed since the
+        # last _settle, in order.
+        self._unsettled: list[tuple[int, np.ndarray, np.ndarray | None]] = []
+        self._unsettled_records = 0
 
     # ---- feeding --------------------------------------------------------------------
 
@@ -217,9 +225,13 @@ class RankTracker:
             # The next call seen is the first after lost records (a gap inside the
             # batch is placed at its first call after it: close enough for marking).
             self._gap_calls.append(first_new + self._first_call_after_gap(records, is_call))
-        self._record_calls(calls, first_new)
-        if not only_calls:
-            self._complete(records[~is_call])
+        # The call table is filed later, in one go (:meth:`_settle`): only arrivals
+        # and comm_times read it, every few seconds, and filing each poll's few hundred
+        # records at once cost a rank's poll half its time in numpy's per-call overhead.
+        self._unsettled.append((first_new, calls, None if only_calls else records[~is_call]))
+        self._unsettled_records += len(records)
+        if self._unsettled_records >= self.config.settle_records:
+            self._settle()
         step = self._clock.feed(
             calls["op"], calls["comm_id"], calls["size_bytes"],
             calls["t_start_ns"].astype(np.float64) * 1e-9,
@@ -383,29 +395,45 @@ class RankTracker:
         if len(self._async) > 2 * self.config.history_calls:
             self._async = {r: i for r, i in self._async.items() if i >= oldest}
 
+    def _settle(self) -> None:
+        """Files the calls fed since the last settle into the call table, then their
+        WAIT and DONE records: the table is then as if each batch had been filed as
+        it came (a WAIT or DONE always follows its call in ring order)."""
+        if not self._unsettled:
+            return
+        batches, self._unsettled, self._unsettled_records = self._unsettled, [], 0
+        calls = [b[1] for b in batches if len(b[1])]
+        if calls:
+            self._record_calls(np.concatenate(calls) if len(calls) > 1 else calls[0], batches[0][0])
+        others = [b[2] for b in batches if b[2] is not None and len(b[2])]
+        if others:
+            self._complete(np.concatenate(others) if len(others) > 1 else others[0])
+
     def _complete(self, others: np.ndarray) -> None:
-        """Durations of async calls from their WAIT records, device times from DONE."""
+        """Durations of async calls from their WAIT records, device times from DONE (a
+        DONE's device time wins over its call's WAIT, whichever came first)."""
         table = self._table
         if not len(others) or not len(table):
             return
-        for rec in others[_IS_WAIT_OR_DONE[others["op"]]]:
-            if rec["op"] == _WAIT:
-                index = self._async.pop(int(rec["req_id"]), None)
-                row = table.row(index) if index is not None else None
-                if row is None:
-                    continue
-                rows = table.rows
-                start = int(rows["t_start_ns"][row])
-                if int(rec["t_end_ns"]) >= start and not rows["device"][row]:
-                    rows["seconds"][row] = (int(rec["t_end_ns"]) - start) * 1e-9
-            elif int(rec["flags"]) & F_DEVICE_TIMED:
-                rows = table.rows
-                row = int(np.searchsorted(rows["seq"], rec["req_id"]))
-                if row >= len(rows) or rows["seq"][row] != rec["req_id"]:
-                    continue
-                if int(rec["t_end_ns"]) >= int(rec["t_start_ns"]):
-                    rows["seconds"][row] = (int(rec["t_end_ns"]) - int(rec["t_start_ns"])) * 1e-9
-                    rows["device"][row] = True
+        rows, first = table.rows, table.first_index
+        waits = others[others["op"] == _WAIT]
+        if len(waits):
+            pop = self._async.pop
+            index = np.array([pop(r, -1) for r in waits["req_id"].tolist()], dtype=np.int64)
+            row = index - first
+            kept = (index >= 0) & (row >= 0) & (row < len(rows))
+            row, end = row[kept], waits["t_end_ns"][kept]
+            start = rows["t_start_ns"][row]
+            timed = (end >= start) & ~rows["device"][row]
+            rows["seconds"][row[timed]] = (end[timed] - start[timed]) * 1e-9
+        done = others[(others["op"] == _DONE) & ((others["flags"] & F_DEVICE_TIMED) != 0)]
+        if len(done):
+            seq = rows["seq"]
+            row = np.minimum(np.searchsorted(seq, done["req_id"]), len(rows) - 1)
+            timed = (seq[row] == done["req_id"]) & (done["t_end_ns"] >= done["t_start_ns"])
+            row = row[timed]
+            rows["seconds"][row] = (done["t_end_ns"][timed] - done["t_start_ns"][timed]) * 1e-9
+            rows["device"][row] = True
 
     def arrivals(self, first_iteration: int | None = None, last_iteration: int | None = None, *,
                  last_calls: int | None = None) -> np.ndarray:
@@ -417,6 +445,7 @@ class RankTracker:
         while no record was lost; after a loss it lags by the calls among the lost
         records (at most :attr:`lost_records`).
         """
+        self._settle()
         calls = self._table.rows
         if last_calls is not None:
             calls = calls[max(0, len(calls) - last_calls):]
