@@ -133,3 +133,23 @@ def _spin(seconds: float, waited) -> None:
     while time.monotonic() < end:
         pass
     waited.put((run_delay_ns(os.getpid()) - start) / 1e9)
+
+
+def test_a_slow_interval_is_news_until_it_is_published(tmp_path):
+    # While a verdict's episode lasts, a quiet plane's agents post news only: a slow
+    # interval the master has seen is not news, one opened or closed since is.
+    from greyhound.analytics.tracker import RankTracker
+    from greyhound.control.agent import NodeAgent
+
+    agent = NodeAgent(tmp_path, "n1")
+    proc = _Process(reader=None, tracker=RankTracker(rank=0), polls=PollWindow(1.0))
+    agent.processes[tmp_path / "ring.0"] = proc
+    assert agent._news()                                  # never published
+    proc.summary_cache = (0, {"slow_since": 40})
+    assert agent._news()                                  # opened, not yet sent
+    proc.sent["slow_since"] = 40
+    assert not agent._news()                              # the master has it
+    proc.summary_cache = (0, {"slow_since": None})
+    assert agent._news()                                  # closed (a fade), not yet sent
+    proc.sent["slow_since"] = ""
+    assert not agent._news()

@@ -24,9 +24,13 @@ def job(tmp_path):
     stop_redis(proc)
 
 
-def publish(client, *, slow_ranks=(), slow_since=40, late_rank=None, slowdown=1.5, current_s=0.3):
+def publish(client, *, slow_ranks=(), slow_since=40, late_rank=None, slowdown=1.5, current_s=0.3, news=True):
     """Eight ranks (r on node r // 2), DP groups (r, r + 4); late_rank arrives last; the
-    slow ones at ``current_s`` a step (0.2 healthy)."""
+    slow ones at ``current_s`` a step (0.2 healthy). ``news``: the agents' news counter
+    moves, as when a rank's change point changed its figures (a quiet master reads the
+    ranks then)."""
+    if news:
+        client.incr(store.NEWS)
     for r in range(8):
         slow = r in slow_ranks
         pipe = client.pipeline(transaction=False)
@@ -57,10 +61,10 @@ def test_healthy_job_stays_tracking_with_no_event(job):
 def test_a_quiet_master_reads_the_ranks_again_when_an_agent_posts_news_or_after_a_while(job, news):
     run_dir, client = job
     master = Master(run_dir, client, nodes=NODES, config=MasterConfig(quiet_reread_s=3.0))
-    publish(client)
+    publish(client, news=False)
     master.step()
     assert client.hget(store.PLANE, store.QUIET) == "1"
-    publish(client, slow_ranks=range(8), late_rank=5)      # the agents' news counter not moved yet
+    publish(client, slow_ranks=range(8), late_rank=5, news=False)     # the news counter not moved yet
     beat = client.hget(store.PLANE, "heartbeat")
     master.step()
     assert master.state == "tracking" and client.hget(store.PLANE, "heartbeat") != beat   # it beats
@@ -345,6 +349,42 @@ def test_a_named_verdict_is_not_examined_again(job):
         master.step()
     assert master.state == "tracking" and master.episode.verdict["kind"] == "compute"
     assert "reexamining" not in [e["kind"] for e in read_events(run_dir)]
+
+
+def test_after_a_verdict_a_quiet_plane_waits_for_news_and_rereads_the_ranks_after_a_while(job):
+    # A drift that nobody is to blame for can last minutes: while it does, the agents
+    # publish only news and the master reads the ranks on news or every quiet_reread_s.
+    run_dir, client = job
+    master = _profiled(job, validate=False, config=MasterConfig(profile_s=1.0, quiet_reread_s=2.0))
+    assert master.episode.verdict["kind"] == "compute" and client.hget(store.PLANE, store.QUIET) == "0"
+    master.step()                                        # the verdict's poll: nothing waits for figures
+    assert client.hget(store.PLANE, store.QUIET) == "1"
+    master.step()                                        # the first quiet poll notes the news counter
+    publish(client, news=False)                          # the ranks' figures move, no change point
+    for _ in range(2):
+        master.step()
+        assert master.episode is not None                # not read: no news
+    master.step()                                        # quiet_reread_s past: read again
+    assert master.episode is None and read_events(run_dir)[-1]["kind"] == "recovered"
+    assert client.hget(store.PLANE, store.QUIET) == "0"
+    publish(client, slow_ranks=range(8), late_rank=5)    # a change point (news): read at once
+    master.step()
+    assert master.state == "profiling"
+
+
+def test_a_verdict_under_a_busy_planner_leaves_the_plane_loud(job):
+    class Planner:
+        idle = False
+
+        def on_verdict(self, verdict, ranks):
+            pass
+
+        def poll(self, ranks):
+            pass
+
+    master = _profiled(job, validate=False, planner=Planner())
+    master.step()
+    assert master.episode.verdict is not None and job[1].hget(store.PLANE, store.QUIET) == "0"
 
 
 def test_a_recovery_under_a_plan_in_force_says_so(job):

@@ -537,12 +537,16 @@ class NodeAgent:
 
     def _news(self) -> bool:
         """Whether a rank of this node has what the master acts on and it has not seen:
-        a candidate change being weighed, a change point, an open slow interval, a
-        re-numbering, or a rank not published yet."""
+        a candidate change being weighed, a change point, a slow interval opened or
+        closed since the last publish, a re-numbering, or a rank not published yet. A
+        slow interval the master has seen is not news: it reads the ranks every
+        ``quiet_reread_s`` anyway."""
         for proc in self.processes.values():
             tracker, cached = proc.tracker, proc.summary_cache
             if proc.republish or tracker.pending_change is not None or cached is None \
-                    or cached[0] != len(tracker.changepoints) or cached[1]["slow_since"] is not None:
+                    or cached[0] != len(tracker.changepoints) \
+                    or proc.sent.get("slow_since", "") != ("" if cached[1]["slow_since"] is None
+                                                           else cached[1]["slow_since"]):
                 return True
         return False
 

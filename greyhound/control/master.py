@@ -212,10 +212,18 @@ class Master:
             ep.rounds, ep.spent_s, ep.slowdown = 0, 0.0, _slowdown(slow)
             self._profile_again(ep)
         else:
-            store.set_plane_state(self.client, self.state)
+            # A verdict given and no plan watched: nothing waits for every rank's figures
+            # every poll. The agents post news (a change point: the recovery, a deeper
+            # slowdown) at once, and the ranks are read every quiet_reread_s anyway (a
+            # fade, a recheck's hold-off). A VM drift's episode that named nobody kept
+            # every agent publishing and the master reading all ranks every poll, five
+            # times the plane's quiet cost, for as long as the drift lasted.
+            self._quiet = ep.verdict is not None and (self.planner is None or self.planner.idle)
+            store.set_plane_state(self.client, self.state, quiet=self._quiet)
 
     def _nothing_new(self) -> bool:
-        """In a quiet plane (the last poll found nothing open and the planner idle),
+        """In a quiet plane (the last poll found nothing open, or an episode with its
+        verdict, and the planner idle),
         whether no agent has published news since the ranks were last read: then the
         poll is only the master's heartbeat. Every ``quiet_reread_s`` they are read
         anyway. Reading and decoding every rank's state each poll was the master's
@@ -223,11 +231,19 @@ class Master:
         if not self._quiet:
             return False
         news = store.quiet_beat(self.client)
-        if news == self._news_seen and self._quiet_polls < self._reread_polls:
+        if news == self._news_seen and self._quiet_polls < self._reread_polls and not self._hold_off_over():
             self._quiet_polls += 1
             return True
         self._news_seen, self._quiet_polls = news, 0
         return False
+
+    def _hold_off_over(self) -> bool:
+        """Whether an inconclusive verdict's hold-off has passed (at the slowdown it was
+        examined at): a quiet master then reads the ranks and decides every poll."""
+        ep = self.episode
+        return ep is not None and ep.verdict is not None and self._inconclusive(ep.verdict) and \
+            time.monotonic() - ep.verdict_at >= recheck_after_s(
+                self.config.recheck_s, unknowns=ep.unknowns, spent_s=ep.spent_s, slowdown=ep.slowdown)
 
     def _inconclusive(self, verdict: dict) -> bool:
         """A verdict that settles nothing: it named nobody, or its validation was asked for
