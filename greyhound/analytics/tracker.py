@@ -638,13 +638,6 @@ class _CallTable:
     def first_index(self) -> int:
         return int(self._buf["index"][self._lo]) if self._hi > self._lo else 0
 
-    def row(self, index: int) -> int | None:
-        """Row of call ``index`` in :attr:`rows`, if kept (indices are consecutive)."""
-        if self._hi == self._lo:
-            return None
-        row = index - int(self._buf["index"][self._lo])
-        return row if 0 <= row < self._hi - self._lo else None
-
     def extend(self, k: int) -> np.ndarray:
         """``k`` (<= capacity) new rows at the end, for the caller to fill (a view; their
         old contents are left as they were): the oldest rows beyond the capacity go."""
