@@ -242,8 +242,12 @@ class Master:
         examined at): a quiet master then reads the ranks and decides every poll."""
         ep = self.episode
         return ep is not None and ep.verdict is not None and self._inconclusive(ep.verdict) and \
-            time.monotonic() - ep.verdict_at >= recheck_after_s(
-                self.config.recheck_s, unknowns=ep.unknowns, spent_s=ep.spent_s, slowdown=ep.slowdown)
+            self._held_off(ep, ep.slowdown)
+
+    def _held_off(self, ep: _Episode, slowdown: float) -> bool:
+        """Whether the episode's verdict is older than the hold-off at ``slowdown``."""
+        return time.monotonic() - ep.verdict_at >= recheck_after_s(
+            self.config.recheck_s, unknowns=ep.unknowns, spent_s=ep.spent_s, slowdown=slowdown)
 
     def _inconclusive(self, verdict: dict) -> bool:
         """A verdict that settles nothing: it named nobody, or its validation was asked for
@@ -267,8 +271,7 @@ class Master:
         if slowdown > self.config.deepened_ratio * ep.slowdown or \
                 (pace_s is not None and ep.pace_s is not None and pace_s > self.config.deepened_ratio * ep.pace_s):
             return f"the job slowed further after a verdict that {what}"
-        if time.monotonic() - ep.verdict_at >= recheck_after_s(
-                self.config.recheck_s, unknowns=ep.unknowns, spent_s=ep.spent_s, slowdown=slowdown):
+        if self._held_off(ep, slowdown):
             return f"the job is still slow after a verdict that {what}"
         return None
 
