@@ -545,8 +545,7 @@ class NodeAgent:
             tracker, cached = proc.tracker, proc.summary_cache
             if proc.republish or tracker.pending_change is not None or cached is None \
                     or cached[0] != len(tracker.changepoints) \
-                    or proc.sent.get("slow_since", "") != ("" if cached[1]["slow_since"] is None
-                                                           else cached[1]["slow_since"]):
+                    or proc.sent.get("slow_since", "") != store.encode_field(cached[1]["slow_since"]):
                 return True
         return False
 

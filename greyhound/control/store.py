@@ -96,6 +96,11 @@ def quiet_beat(client) -> str | None:
     return pipe.execute()[-1]
 
 
+def encode_field(value):
+    """A rank field as the store keeps it: lists and dicts as JSON, None as ""."""
+    return json.dumps(value) if isinstance(value, (list, dict)) else ("" if value is None else value)
+
+
 def publish_rank(pipe, rank: int, *, new_times: list[float], fields: dict, restart: bool = False,
                  comms: dict[str, dict] | None = None, sent: dict | None = None) -> None:
     """One rank's tracking state, its new iteration times (``restart``: they replace
@@ -104,8 +109,7 @@ def publish_rank(pipe, rank: int, *, new_times: list[float], fields: dict, resta
     them (updated here), leaves out those that did not change: most of a rank's state
     stays the same from one poll to the next, and encoding it was a third of an
     agent's cost."""
-    encoded = {k: json.dumps(v) if isinstance(v, (list, dict)) else ("" if v is None else v)
-               for k, v in fields.items()}
+    encoded = {k: encode_field(v) for k, v in fields.items()}
     if sent is not None:
         encoded = {k: v for k, v in encoded.items() if k not in sent or sent[k] != v}
         sent.update(encoded)
